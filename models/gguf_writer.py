@@ -59,9 +59,10 @@ def _field_ints(reader: gguf.GGUFReader, key: str) -> list[int]:
     return [int(field.parts[i][0]) for i in field.data]
 
 
-def read_vocab(path: str | Path = VOCAB_PATH) -> Vocab:
-    """Read the tokenizer of any GPT-2 GGUF (vocab-only or a full model)."""
-    reader = gguf.GGUFReader(str(path))
+def read_vocab(path: str | Path | gguf.GGUFReader = VOCAB_PATH) -> Vocab:
+    """Read the tokenizer of any GPT-2 GGUF (vocab-only or a full model), or of an open reader
+    (parsing the 100k token and merge strings takes ~2 s: don't do it twice)."""
+    reader = path if isinstance(path, gguf.GGUFReader) else gguf.GGUFReader(str(path))
     tokens = _field_strings(reader, "tokenizer.ggml.tokens")
     eot = tokens.index("<|endoftext|>") if "<|endoftext|>" in tokens else len(tokens) - 1
 
@@ -114,7 +115,8 @@ def _store(writer: gguf.GGUFWriter, name: str, array: np.ndarray, ftype: str) ->
         writer.add_tensor(name, array.astype(np.float16))
     elif ftype == "q8_0":
         if array.shape[-1] % 32:
-            raise ValueError(f"{name}: Q8_0 needs rows that are a multiple of 32, got {array.shape}")
+            raise ValueError(f"{name}: Q8_0 needs rows that are a multiple of 32, "
+                             f"got {array.shape}")
         quantized = gguf.quants.quantize(array, gguf.GGMLQuantizationType.Q8_0)
         writer.add_tensor(name, quantized, raw_dtype=gguf.GGMLQuantizationType.Q8_0)
     else:
@@ -135,6 +137,14 @@ def write_gpt2_gguf(path: str | Path, cfg: Gpt2Config, weights: Mapping[str, np.
             raise ValueError(f"{key}: shape {weights[key].shape}, expected {shape}")
     if "output.weight" in weights and weights["output.weight"].shape != (cfg.n_vocab, cfg.n_embd):
         raise ValueError(f"output.weight: shape {weights['output.weight'].shape}")
+    if ftype not in FILE_TYPES:
+        raise ValueError(f"unknown file type {ftype!r}; expected one of {sorted(FILE_TYPES)}")
+    if cfg.n_embd % cfg.n_head:
+        raise ValueError(f"n_embd {cfg.n_embd} is not a multiple of n_head {cfg.n_head}")
+    if ftype == "q8_0":  # refuse before quantizing anything (slow for big models)
+        for key, shape in expected.items():
+            if len(shape) == 2 and key != "position_embd.weight" and shape[1] % 32:
+                raise ValueError(f"{key}: Q8_0 needs rows that are a multiple of 32, got {shape}")
 
     path = Path(path)
     path.parent.mkdir(parents=True, exist_ok=True)

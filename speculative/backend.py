@@ -19,11 +19,20 @@ import dataclasses
 import logging
 import os
 import platform
+import struct
 from collections.abc import Sequence
 from pathlib import Path
 
 import llama_cpp
 import numpy as np
+
+from .errors import (
+    BatchTooLarge,
+    ContextOverflow,
+    LlamaError,
+    ModelLoadError,
+    TooManySequences,
+)
 
 log = logging.getLogger(__name__)
 
@@ -53,26 +62,6 @@ llama_cpp.llama_backend_init()
 llama_cpp.llama_log_set(_log_callback, ctypes.c_void_p(0))
 
 
-class LlamaError(RuntimeError):
-    """llama.cpp refused an operation."""
-
-
-class ModelLoadError(LlamaError):
-    """A GGUF file could not be loaded (missing, corrupt, or not a GPT-2 model)."""
-
-
-class BatchTooLarge(ValueError):
-    """More tokens in one batch than the context's ``n_batch`` (llama.cpp would abort)."""
-
-
-class ContextOverflow(ValueError):
-    """The tokens would not fit in the context window."""
-
-
-class TooManySequences(ValueError):
-    """A sequence id at or over the context's ``n_seq_max`` (llama.cpp would abort)."""
-
-
 def _take_errors() -> str:
     msg = "; ".join(m for m in _recent_errors if m)
     _recent_errors.clear()
@@ -90,6 +79,28 @@ _AMX = platform.machine().lower() in {"x86_64", "amd64"} and _has_amx()
 def default_threads() -> int:
     return max(1, len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                else os.cpu_count() or 1)
+
+
+def _peek_architecture(path: Path) -> str | None:
+    """``general.architecture`` from the GGUF header, read before llama.cpp sees the file (it
+    is the first key in files written by llama.cpp's tools; None if it is not there)."""
+    with open(path, "rb") as fh:
+        head = fh.read(4096)
+    if head[:4] != b"GGUF":
+        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+    try:
+        n_kv = struct.unpack_from("<Q", head, 16)[0]
+        if n_kv == 0:
+            return None
+        (klen,) = struct.unpack_from("<Q", head, 24)
+        key = head[32:32 + klen]
+        (vtype,) = struct.unpack_from("<I", head, 32 + klen)
+        if key != b"general.architecture" or vtype != 8:  # 8: GGUF string
+            return None
+        (vlen,) = struct.unpack_from("<Q", head, 36 + klen)
+        return head[44 + klen:44 + klen + vlen].decode("utf-8", "replace")
+    except struct.error:
+        return None  # too short to tell: llama.cpp will say what is wrong
 
 
 class Vocabulary:
@@ -134,6 +145,18 @@ class Vocabulary:
         self.check_token(token)
         return llama_cpp.llama_vocab_get_text(self._vocab, token) or b""
 
+    def difference(self, other: Vocabulary) -> str | None:
+        """Why a draft with vocabulary ``other`` cannot draft for this one, or None."""
+        if other.n_vocab != self.n_vocab:
+            return f"{other.n_vocab} tokens instead of {self.n_vocab}"
+        if (other.bos, other.eos) != (self.bos, self.eos):
+            return f"BOS/EOS are {other.bos}/{other.eos} instead of {self.bos}/{self.eos}"
+        for t in range(self.n_vocab):
+            if self.token_text(t) != other.token_text(t):
+                return (f"token {t} is {other.token_text(t)!r} instead of "
+                        f"{self.token_text(t)!r}")
+        return None
+
     def check_token(self, token: int) -> None:
         if not 0 <= token < self.n_vocab:
             raise ValueError(f"token id {token} outside the vocabulary (0..{self.n_vocab - 1})")
@@ -148,9 +171,10 @@ class LlamaModel:
         self.path = Path(path)
         if not self.path.is_file():
             raise ModelLoadError(f"{self.path}: no such file")
-        with open(self.path, "rb") as fh:
-            if fh.read(4) != b"GGUF":
-                raise ModelLoadError(f"{self.path}: not a GGUF file (bad magic)")
+        arch = _peek_architecture(self.path)
+        if architectures is not None and arch is not None and arch not in architectures:
+            raise ModelLoadError(f"{self.path.name} is a {arch!r} model; Staged Chat runs "
+                                 f"{', '.join(architectures)} models")
         params = llama_cpp.llama_model_default_params()
         params.vocab_only = vocab_only
         # Q8_0 crashes in the AMX repacked kernels on this CPU family; elsewhere (e.g. ARM)
@@ -224,6 +248,9 @@ class LlamaContext:
         params.n_ctx = n_ctx
         params.n_batch = params.n_ubatch = config.n_batch
         params.n_seq_max = config.n_seq_max
+        # llama.cpp reserves outputs for one token per sequence and asserts (aborting the
+        # process) if that exceeds n_outputs_max, whose default is n_batch
+        params.n_outputs_max = max(config.n_batch, config.n_seq_max)
         threads = config.n_threads or default_threads()
         params.n_threads = params.n_threads_batch = threads
         params.kv_unified = True
@@ -237,7 +264,9 @@ class LlamaContext:
                              f"{_take_errors() or 'unknown error'}")
         self._ctx = ptr
         self._mem = llama_cpp.llama_get_memory(ptr)
-        self.n_ctx: int = llama_cpp.llama_n_ctx(ptr)
+        # llama.cpp may pad its cache beyond what was asked; positions past the request (and past
+        # GPT-2's learned position embeddings) are refused here
+        self.n_ctx: int = min(llama_cpp.llama_n_ctx(ptr), n_ctx)
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)

@@ -1,0 +1,198 @@
+"""``staged-chat``: the command line. ``generate`` streams text and prints the statistics;
+with several modes (``--mode plain,tree,staged`` or ``--mode all``) it runs each on the same prompt
+and prints them side by side, with speedups measured against ``plain`` in the same run."""
+
+from __future__ import annotations
+
+import argparse
+import codecs
+import dataclasses
+import json
+import logging
+import sys
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any, TextIO
+
+from speculative.ngram import KatzTrigram
+
+from models.paths import builtin_path, require_builtin
+from speculative.backend import ContextConfig
+from speculative.drafting import TreeBudget
+from speculative.engine import Engine, Mode, SpecConfig
+from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
+from speculative.loading import open_pair
+from speculative.sampling import SamplingParams
+from speculative.stats import RunStats
+
+log = logging.getLogger(__name__)
+
+
+def _modes(text: str) -> list[Mode]:
+    if text == "all":
+        return list(Mode)
+    try:
+        return [Mode(m.strip()) for m in text.split(",") if m.strip()]
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(
+            f"{exc}; choose from {', '.join(m.value for m in Mode)} or 'all'") from None
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="staged-chat", description=__doc__)
+    parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
+    sub = parser.add_subparsers(dest="command")
+    gen = sub.add_parser("generate", help="generate text from a prompt")
+    gen.add_argument("--target", type=Path, help="target GGUF (default: the built-in target)")
+    gen.add_argument("--draft", type=Path, help="draft GGUF (default: the built-in draft)")
+    gen.add_argument("--ngram", type=Path, help="n-gram model .npz (default: the built-in one)")
+    gen.add_argument("--mode", type=_modes, default=[Mode.STAGED],
+                     help="plain, chain, tree, staged, ngram; a comma list or 'all' compares them")
+    src = gen.add_mutually_exclusive_group()
+    src.add_argument("--prompt", default="def fibonacci(n):\n")
+    src.add_argument("--prompt-file", type=Path)
+    gen.add_argument("-n", "--max-tokens", type=int, default=200)
+    gen.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
+    gen.add_argument("--top-k", type=int, default=0)
+    gen.add_argument("--top-p", type=float, default=1.0)
+    gen.add_argument("--seed", type=int, default=0)
+    gen.add_argument("--max-nodes", type=int, default=TreeBudget.max_nodes)
+    gen.add_argument("--max-depth", type=int, default=TreeBudget.max_depth)
+    gen.add_argument("--max-children", type=int, default=TreeBudget.max_children)
+    gen.add_argument("--chain-length", type=int, default=SpecConfig.chain_length)
+    gen.add_argument("--lookahead", type=int, default=SpecConfig.lookahead)
+    gen.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
+    gen.add_argument("--threads", type=int, default=0, help="0 = all cores")
+    gen.add_argument("--flash-attn", action="store_true")
+    gen.add_argument("--json", action="store_true", help="print a JSON summary instead")
+    return parser
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
+                        format="%(levelname)s %(name)s: %(message)s")
+    if args.command != "generate":
+        parser.print_help()
+        return 0
+    try:
+        return generate(args, sys.stdout)
+    except (LlamaError, IncompatibleModels, ContextOverflow, ValueError, OSError) as exc:
+        print(f"staged-chat: error: {exc}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        print("\nstaged-chat: interrupted", file=sys.stderr)
+        return 130
+
+
+def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
+    target = args.target or require_builtin("target")
+    needs_draft = any(m.needs_draft for m in args.mode)
+    draft = args.draft or (require_builtin("draft") if needs_draft else None)
+    ngram = args.ngram or builtin_path("ngram")
+    return target, draft, ngram if ngram is not None and ngram.exists() else None
+
+
+def generate(args: argparse.Namespace, out: TextIO) -> int:
+    target, draft, ngram_path = _resolve(args)
+    budget = TreeBudget(args.max_nodes, args.max_depth, args.max_children)
+    spec = SpecConfig(tree=budget, chain_length=args.chain_length, lookahead=args.lookahead)
+    batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
+    config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
+                           n_threads=args.threads, flash_attn=args.flash_attn)
+    params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
+    with open_pair(target, draft, config) as pair:
+        vocab = pair.target.vocab
+        text = (args.prompt_file.read_text("utf-8") if args.prompt_file else args.prompt)
+        prompt = vocab.tokenize(text)
+        if not prompt:
+            raise ValueError("the prompt is empty")
+        results = []
+        for mode in args.mode:
+            # a fresh n-gram per run, so that no mode learns from another's output
+            ngram = (KatzTrigram.load(ngram_path) if ngram_path is not None
+                     else KatzTrigram.build([], vocab.n_vocab))
+            engine = Engine(pair.target_ctx, pair.draft_ctx, ngram,
+                            dataclasses.replace(spec, mode=mode))
+            stream = out if not args.json and len(args.mode) == 1 else None
+            results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
+        _report(results, out, args.json, prompt_text=text)
+    return 0
+
+
+def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
+         params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
+    run = RunStats()
+    tokens: list[int] = []
+    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    finish = None
+    if stream is not None:
+        stream.write(vocab.detokenize(prompt))
+        stream.flush()
+    for step in engine.generate(prompt, max_tokens, params, stop={vocab.eos}, run=run):
+        tokens += step.tokens
+        finish = step.finish
+        if stream is not None:
+            stream.write(decoder.decode(b"".join(vocab.piece(t) for t in step.tokens)))
+            stream.flush()
+    if stream is not None:
+        stream.write(decoder.decode(b"", final=True) + "\n")
+    return {"mode": engine.config.mode.value, "text": vocab.detokenize(tokens),
+            "tokens": tokens, "finish": finish or "length", "stats": run.summary()}
+
+
+def _report(results: list[dict[str, Any]], out: TextIO, as_json: bool, prompt_text: str) -> None:
+    plain = next((r for r in results if r["mode"] == "plain"), None)
+    for r in results:
+        if plain is not None and plain["stats"]["tokens_per_second"] > 0:
+            r["speedup_vs_plain"] = (r["stats"]["tokens_per_second"]
+                                     / plain["stats"]["tokens_per_second"])
+            r["identical_to_plain"] = r["tokens"] == plain["tokens"]
+    if as_json:
+        payload: Any = results[0] if len(results) == 1 else {"prompt": prompt_text,
+                                                             "runs": results}
+        json.dump(payload, out, indent=2)
+        out.write("\n")
+        return
+    if len(results) == 1:
+        out.write(format_stats(results[0]["stats"]) + "\n")
+        return
+    out.write(format_table(results) + "\n")
+
+
+def format_stats(s: dict[str, Any]) -> str:
+    t = s["time"]
+    depth = " ".join(f"{r:.2f}" for r in s["depth_acceptance"]) or "-"
+    o = s["origins"]
+    return "\n".join([
+        f"--- {s['mode']}: {s['tokens']} tokens in {s['target_passes']} target passes, "
+        f"{s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
+        f"prefill {t['prefill'] * 1000:.0f} ms",
+        f"tau (tokens per target pass) {s['tau']:.2f}; mean accepted {s['mean_accepted']:.2f}; "
+        f"accepted/drafted nodes {s['node_acceptance']:.2f}",
+        f"acceptance by depth: {depth}",
+        f"tokens from draft {o['draft']}, n-gram {o['ngram']}, target {o['target']}; "
+        f"draft calls per pass {s['draft_calls_per_step']:.2f}; "
+        f"stage-2 hit rate {s['stage2_hit_rate']:.2f}",
+        f"time: draft {t['draft']:.2f} s, stage 2 {t['stage2']:.2f} s, "
+        f"verify {t['verify']:.2f} s, other {t['other']:.2f} s",
+    ])
+
+
+def format_table(results: list[dict[str, Any]]) -> str:
+    head = (f"{'mode':<8}{'tokens':>7}{'passes':>8}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
+            f"{'accept/depth':>30}  same as plain")
+    rows = [head, "-" * len(head)]
+    for r in results:
+        s = r["stats"]
+        depth = " ".join(f"{x:.2f}" for x in s["depth_acceptance"][:6]) or "-"
+        speed = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else "-"
+        same = {True: "yes", False: "no"}.get(r.get("identical_to_plain"), "-")
+        rows.append(f"{r['mode']:<8}{s['tokens']:>7}{s['target_passes']:>8}{s['tau']:>7.2f}"
+                    f"{s['tokens_per_second']:>9.1f}{speed:>9}{depth:>30}  {same}")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    sys.exit(main())

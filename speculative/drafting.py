@@ -1,0 +1,255 @@
+"""Stage 1: growing the draft tree; stage 2: speeding up the draft model with an n-gram model.
+
+A drafter answers "what are the draft's logits after this path?" for tree paths (token tuples
+below the root). ``grow_tree`` asks for one tree level at a time, so a draft *model* answers each
+level with one batched decode. With a ``lookahead`` n-gram (stage 2), each draft batch also
+decodes the n-gram's guess of how the best path continues; when the draft later wants those
+nodes, their logits are already there and whole levels cost no draft call. The tree is exactly
+the one the draft alone would grow: the n-gram only changes *when* nodes are computed.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections.abc import Sequence
+from typing import Protocol
+
+import numpy as np
+
+from .kvtree import COMMIT, KVTree, Parent, Slot
+from .ngram import KatzTrigram
+from .sampling import SamplingParams, distribution, sample_without_replacement
+from .tree import TokenTree
+
+Path = tuple[int, ...]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TreeBudget:
+    max_nodes: int = 16    # drafted nodes the target verifies per pass (its batch is 1 + this)
+    max_depth: int = 6     # longest drafted path
+    max_children: int = 4  # candidates tried per position; 1 makes a chain
+
+    def __post_init__(self) -> None:
+        if self.max_nodes < 1 or self.max_depth < 1 or self.max_children < 1:
+            raise ValueError(f"tree budget values must be >= 1: {self}")
+        if self.max_nodes > 255:
+            raise ValueError("max_nodes over 255: llama.cpp allows at most 256 sequences")
+
+
+@dataclasses.dataclass(slots=True)
+class DraftCounters:
+    """What drafting cost in one step (see ``speculative.stats`` for the definitions)."""
+
+    calls: int = 0             # draft-model decodes (batches)
+    stage2_proposed: int = 0   # n-gram lookahead tokens decoded by the draft
+    stage2_used: int = 0       # ... of which the tree later needed
+    t_draft: float = 0.0       # seconds in draft decodes and tree growth
+    t_stage2: float = 0.0      # seconds in the n-gram model
+
+
+class Drafter(Protocol):
+    counters: DraftCounters
+
+    def begin(self, committed: Sequence[int]) -> np.ndarray:
+        """Start a step whose root is ``committed[-1]``; returns the root's logits."""
+        ...
+
+    def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:
+        """Logits after each path (all of whose prefixes were asked for before)."""
+        ...
+
+    def origin(self, path: Path) -> str:
+        """Who proposed the path's last token: "draft" or "ngram"."""
+        ...
+
+    def commit(self, accepted: Path) -> None:
+        """The target accepted ``accepted`` below the root (its bonus token comes next)."""
+        ...
+
+
+class ModelDrafter:
+    """A draft model on its own context, optionally sped up by an n-gram ``lookahead``."""
+
+    def __init__(self, kv: KVTree, lookahead: KatzTrigram | None = None,
+                 lookahead_len: int = 4) -> None:
+        self.kv = kv
+        self.lookahead = lookahead
+        self.lookahead_len = lookahead_len if lookahead is not None else 0
+        self.counters = DraftCounters()
+        self._committed: list[int] = []
+        self._cache: dict[Path, tuple[Slot, np.ndarray]] = {}  # decoded nodes of this step
+        self._guessed: set[Path] = set()  # nodes first decoded as n-gram guesses
+
+    def begin(self, committed: Sequence[int]) -> np.ndarray:
+        self.counters = DraftCounters()
+        self._committed = list(committed)
+        self._cache.clear()
+        self._guessed.clear()
+        t0 = time.perf_counter()
+        # the tokens the draft has not seen yet (the target's bonus token, perhaps an accepted
+        # leaf) end with the root; they share one batch with the n-gram's guess after the root
+        room = self.kv.ctx.n_batch - self.lookahead_len
+        pending = self.kv.prepare(committed, max_pending=room)
+        guess = self._guess((), room=self.kv.ctx.n_batch - len(pending))
+        tokens = pending + guess
+        parents: list[Parent] = [COMMIT] * len(pending)
+        parents += [len(pending) - 1 + i for i in range(len(guess))]
+        want = [False] * (len(pending) - 1) + [True] * (1 + len(guess))
+        slots, out = self.kv.decode(tokens, parents, want)
+        self.counters.calls += 1
+        self._cache[()] = (slots[len(pending) - 1], out[0])
+        self._remember_guess((), guess, slots[len(pending):], out[1:])
+        self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
+        return out[0]
+
+    def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        self._t_guess = 0.0
+        missing = [p for p in paths if p not in self._cache]
+        self.counters.stage2_used += sum(p in self._guessed for p in paths)
+        if missing:
+            # paths arrive best-first: the n-gram guesses how the best missing one continues
+            guess = self._guess(missing[0], room=self.kv.ctx.n_batch - len(missing))
+            tokens = [p[-1] for p in missing] + guess
+            parents: list[Parent] = [self._cache[p[:-1]][0] for p in missing]
+            parents += [0 if i == 0 else len(missing) + i - 1 for i in range(len(guess))]
+            slots, out = self.kv.decode(tokens, parents)
+            self.counters.calls += 1
+            for k, p in enumerate(missing):
+                self._cache[p] = (slots[k], out[k])
+            self._remember_guess(missing[0], guess, slots[len(missing):], out[len(missing):])
+        self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
+        return [self._cache[p][1] for p in paths]
+
+    def _guess(self, after: Path, room: int) -> list[int]:
+        """The n-gram's greedy continuation of ``after``, to decode speculatively (stage 2)."""
+        self._t_guess = 0.0
+        n = min(self.lookahead_len, room, self.kv.room - len(after) - 2)
+        if self.lookahead is None or n <= 0:
+            return []
+        t0 = time.perf_counter()
+        guess = self.lookahead.greedy([*self._committed, *after][-2:], n)
+        self._t_guess = time.perf_counter() - t0
+        self.counters.t_stage2 += self._t_guess
+        return guess
+
+    def _remember_guess(self, after: Path, guess: list[int], slots: Sequence[Slot],
+                        rows: np.ndarray) -> None:
+        path = after
+        for tok, slot, row in zip(guess, slots, rows, strict=True):
+            path = (*path, tok)
+            self._cache[path] = (slot, row)
+            self._guessed.add(path)
+        self.counters.stage2_proposed += len(guess)
+
+    def origin(self, path: Path) -> str:
+        return "ngram" if path in self._guessed else "draft"
+
+    def commit(self, accepted: Path) -> None:
+        depth = len(accepted)
+        while accepted[:depth] not in self._cache:
+            depth -= 1  # the deepest accepted node the draft has decoded (the root at worst)
+        self.kv.commit(self._cache[accepted[:depth]][0], list(accepted[:depth]))
+        self._cache.clear()
+
+    _t_guess: float = 0.0
+
+
+class NgramDrafter:
+    """The n-gram model drafting for the target directly (no draft model)."""
+
+    def __init__(self, model: KatzTrigram) -> None:
+        self.model = model
+        self.counters = DraftCounters()
+        self._committed: list[int] = []
+
+    def _logits(self, path: Path) -> np.ndarray:
+        with np.errstate(divide="ignore"):
+            return np.log(self.model.probs([*self._committed, *path][-2:]))
+
+    def begin(self, committed: Sequence[int]) -> np.ndarray:
+        self.counters = DraftCounters()
+        self._committed = list(committed)
+        t0 = time.perf_counter()
+        out = self._logits(())
+        self.counters.t_stage2 += time.perf_counter() - t0
+        return out
+
+    def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:
+        t0 = time.perf_counter()
+        out = [self._logits(p) for p in paths]
+        self.counters.t_stage2 += time.perf_counter() - t0
+        return out
+
+    def origin(self, path: Path) -> str:
+        return "ngram"
+
+    def commit(self, accepted: Path) -> None:
+        """Nothing to do: the engine feeds committed tokens to the n-gram model."""
+
+
+@dataclasses.dataclass(slots=True)
+class DraftTree:
+    tree: TokenTree
+    q: dict[int, np.ndarray]  # node -> the draft distribution its children were drawn from
+
+
+def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
+              params: SamplingParams, rng: np.random.Generator) -> DraftTree:
+    """Grow the draft tree best-first, one draft batch per level.
+
+    Every expanded node offers ``max_children`` slots. Slot i of node u scores
+    ``score(u) * q_u[i-th largest]``: the draft's probability of the path (greedy) or of the
+    i-th most likely token (sampling). The tree is the ``max_nodes`` best slots overall; as
+    scores only fall with depth, a node outside the current best set can never enter it, so
+    each level expands just the nodes inside it. Greedy fills slot i with the i-th most
+    likely token; sampling fills the slots with draws *without replacement* from q_u. The
+    sampled shape depends on q_u but never on the drawn tokens themselves, which is what keeps
+    tree speculative sampling exact (see ``speculative.verify``).
+    """
+    root = drafter.begin(committed)
+    tree = TokenTree.rooted(committed[-1])
+    q: dict[int, np.ndarray] = {}
+    frontier, dists = [0], [root]
+    for depth in range(1, budget.max_depth + 1):
+        for u, logits in zip(frontier, dists, strict=True):
+            q[u] = distribution(logits, params)
+            _add_children(tree, u, q[u], budget.max_children, params, rng, drafter)
+        best = tree.top_nodes(budget.max_nodes)
+        frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
+        if depth == budget.max_depth or not frontier:
+            break
+        dists = drafter.logits([tree.path(v) for v in frontier])
+    final = tree.top_nodes(budget.max_nodes)
+    return _prune(tree, q, final)
+
+
+def _add_children(tree: TokenTree, u: int, q: np.ndarray, k: int, params: SamplingParams,
+                  rng: np.random.Generator, drafter: Drafter) -> None:
+    top = np.argpartition(-q, k - 1)[:k] if k < q.size else np.arange(q.size)
+    top = top[np.lexsort((top, -q[top]))]  # slot order: descending q, ties by token id
+    slot_q = q[top]
+    tokens = ([int(t) for t in top] if params.greedy
+              else sample_without_replacement(q, k, rng))
+    base = tree.path(u)
+    for tok, sq in zip(tokens, slot_q, strict=False):
+        if sq <= 0.0:
+            break
+        tree.add(u, tok, tree.scores[u] * float(sq), drafter.origin((*base, tok)))
+
+
+def _by_score(tree: TokenTree, nodes: set[int]) -> list[int]:
+    return sorted(nodes, key=lambda i: (-tree.scores[i], tree.depths[i], i))
+
+
+def _prune(tree: TokenTree, q: dict[int, np.ndarray], keep: set[int]) -> DraftTree:
+    pruned = tree.pruned(keep)
+    # map q (needed for verification of sampled children) to the new numbering
+    old_of_new = {0: 0}
+    for new in range(1, len(pruned)):
+        parent_old = old_of_new[pruned.parents[new]]
+        old_of_new[new] = next(c for c in tree.children[parent_old]
+                               if tree.tokens[c] == pruned.tokens[new])
+    return DraftTree(pruned, {new: q[old] for new, old in old_of_new.items() if old in q})

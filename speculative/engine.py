@@ -1,0 +1,241 @@
+"""The generation loop: draft a tree, verify it in one target pass, commit, repeat.
+
+``Engine.generate`` is a plain generator of ``Step`` results (one per target forward pass), so
+a GUI worker can run it on another thread, turn each step into a signal and stop between steps.
+Settings are read at every step: changing ``engine.config`` mid-generation applies from the
+next step, and the output stays exact because each step is exact on its own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import logging
+import time
+from collections.abc import Callable, Collection, Iterator, Sequence
+
+import numpy as np
+
+from .drafting import (
+    DraftCounters,
+    Drafter,
+    DraftTree,
+    ModelDrafter,
+    NgramDrafter,
+    TreeBudget,
+    grow_tree,
+)
+from .errors import IncompatibleModels
+from .kvtree import COMMIT, KVTree, Parent, Slot
+from .ngram import KatzTrigram
+from .protocols import Context
+from .sampling import SamplingParams
+from .stats import ORIGINS, RunStats, StepStats
+from .tree import TokenTree
+from .verify import Verdict, verify_greedy, verify_sampling
+
+log = logging.getLogger(__name__)
+
+
+class Mode(str, enum.Enum):
+    PLAIN = "plain"    # the target alone: the baseline every speedup is measured against
+    CHAIN = "chain"    # standard speculative decoding: a chain of draft tokens
+    TREE = "tree"      # stage 1: a draft tree verified in one pass
+    STAGED = "staged"  # stages 1 + 2: the tree's draft model sped up by the n-gram model
+    NGRAM = "ngram"    # the n-gram model drafts a tree for the target directly
+
+    @property
+    def needs_draft(self) -> bool:
+        return self in (Mode.CHAIN, Mode.TREE, Mode.STAGED)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecConfig:
+    mode: Mode = Mode.STAGED
+    tree: TreeBudget = dataclasses.field(default_factory=TreeBudget)  # tree, staged, ngram
+    chain_length: int = 4            # chain mode: draft tokens per target pass
+    lookahead: int = 4               # stage 2: n-gram tokens decoded ahead in each draft batch
+
+    def budget(self) -> TreeBudget | None:
+        if self.mode is Mode.PLAIN:
+            return None
+        if self.mode is Mode.CHAIN:
+            k = self.chain_length
+            return TreeBudget(max_nodes=k, max_depth=k, max_children=1)
+        return self.tree
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Step:
+    tokens: list[int]     # tokens this step adds to the output
+    stats: StepStats
+    finish: str | None    # None while generating; "stop", "length", "context" or "cancelled"
+
+
+class Engine:
+    """A target context, optionally a draft context and an n-gram model, and the loop."""
+
+    def __init__(self, target: Context, draft: Context | None = None,
+                 ngram: KatzTrigram | None = None, config: SpecConfig | None = None) -> None:
+        if draft is not None and draft.n_vocab != target.n_vocab:
+            raise IncompatibleModels(f"draft vocabulary has {draft.n_vocab} tokens, target "
+                                     f"{target.n_vocab}")
+        if ngram is not None and ngram.n_vocab != target.n_vocab:
+            raise IncompatibleModels(f"n-gram model covers {ngram.n_vocab} tokens, target "
+                                     f"{target.n_vocab}")
+        self.target = KVTree(target)
+        self.draft = KVTree(draft) if draft is not None else None
+        self.ngram = ngram if ngram is not None else KatzTrigram.build([], target.n_vocab)
+        self._ngram_fed: list[int] = []
+        self.config = config if config is not None else SpecConfig()
+
+    def check(self, config: SpecConfig) -> None:
+        if config.mode.needs_draft and self.draft is None:
+            raise ValueError(f"mode {config.mode.value!r} needs a draft model")
+        budget = config.budget()
+        if budget is not None and budget.max_nodes + 1 > self.target.ctx.n_batch:
+            raise ValueError(f"a tree of {budget.max_nodes} nodes needs n_batch >= "
+                             f"{budget.max_nodes + 1}; the target context has "
+                             f"{self.target.ctx.n_batch}")
+
+    def generate(self, prompt: Sequence[int], max_new_tokens: int,
+                 params: SamplingParams | None = None, stop: Collection[int] = (),
+                 cancel: Callable[[], bool] = lambda: False,
+                 run: RunStats | None = None) -> Iterator[Step]:
+        """Yield one ``Step`` per target pass until a stop token, the limit or the context end."""
+        params = params if params is not None else SamplingParams()
+        self.check(self.config)
+        committed = list(prompt)
+        run = run if run is not None else RunStats()
+        run.mode, run.prompt_tokens = self.config.mode.value, len(committed)
+        rng = np.random.default_rng(params.seed)
+        t0 = time.perf_counter()
+        self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
+        if self.draft is not None and self.config.mode.needs_draft:
+            self.draft.prepare(committed, max_pending=1)
+        self._feed_ngram(committed)
+        run.t_prefill = time.perf_counter() - t0
+        produced = 0
+        while produced < max_new_tokens:
+            if cancel():
+                yield Step([], _empty_stats(), "cancelled")
+                return
+            config = self.config  # read once per step: settings may change between steps
+            self.check(config)
+            tokens, origins, stats = self._step(committed, config, params, rng)
+            tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
+            counts = {o: origins[:len(tokens)].count(o) for o in ORIGINS}
+            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts)
+            committed += tokens
+            produced += len(tokens)
+            self._feed_ngram(committed)
+            if finish is None and len(committed) > self._n_ctx():
+                finish = "context"
+            run.add(stats)
+            yield Step(tokens, stats, finish)
+            if finish is not None:
+                return
+
+    def _n_ctx(self) -> int:
+        """The usable window: the smaller context, if a draft runs beside the target."""
+        if self.draft is not None and self.config.mode.needs_draft:
+            return min(self.target.ctx.n_ctx, self.draft.ctx.n_ctx)
+        return self.target.ctx.n_ctx
+
+    def _step(self, committed: list[int], config: SpecConfig, params: SamplingParams,
+              rng: np.random.Generator) -> tuple[list[int], list[str], StepStats]:
+        """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
+        t0 = time.perf_counter()
+        budget = self._fit(config.budget(), committed)
+        drafter = self._drafter(config) if budget is not None else None
+        try:
+            if drafter is None or budget is None:
+                draft = DraftTree(TokenTree.rooted(committed[-1]), {})
+            else:
+                draft = grow_tree(drafter, committed, budget, params, rng)
+            t1 = time.perf_counter()
+            verdict, slots = self._verify(committed, draft, params, rng)
+        except BaseException:
+            self.target.rollback()
+            if self.draft is not None:
+                self.draft.rollback()
+            raise
+        t2 = time.perf_counter()
+        tree = draft.tree
+        accepted = [tree.tokens[n] for n in verdict.accepted]
+        last = verdict.accepted[-1] if verdict.accepted else 0
+        self.target.commit(slots[last], accepted)
+        if drafter is not None:
+            drafter.commit(tuple(accepted))
+        counters = drafter.counters if drafter is not None else DraftCounters()
+        origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
+        t3 = time.perf_counter()
+        stats = StepStats(
+            drafted=len(tree) - 1, accepted=len(accepted), offered=verdict.offered,
+            emitted=len(origins), origins={}, draft_calls=counters.calls,
+            stage2_proposed=counters.stage2_proposed, stage2_used=counters.stage2_used,
+            t_draft=counters.t_draft, t_stage2=counters.t_stage2, t_verify=t2 - t1,
+            t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
+        return [*accepted, verdict.next_token], origins, stats
+
+    def _drafter(self, config: SpecConfig) -> Drafter | None:
+        if config.mode is Mode.PLAIN:
+            return None
+        if config.mode is Mode.NGRAM:
+            return NgramDrafter(self.ngram)
+        assert self.draft is not None
+        lookahead = self.ngram if config.mode is Mode.STAGED else None
+        return ModelDrafter(self.draft, lookahead, config.lookahead)
+
+    def _fit(self, budget: TreeBudget | None, committed: list[int]) -> TreeBudget | None:
+        """Shrink the tree so that it fits both context windows."""
+        if budget is None:
+            return None
+        room = self.target.ctx.n_ctx - len(committed)
+        if self.draft is not None:
+            room = min(room, self.draft.ctx.n_ctx - len(committed))
+        depth = min(budget.max_depth, room)
+        if depth < 1:
+            return None
+        return dataclasses.replace(budget, max_depth=depth)
+
+    def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
+                rng: np.random.Generator) -> tuple[Verdict, list[Slot]]:
+        """One target pass over the pending tokens and the tree; the acceptance rule."""
+        tree = draft.tree
+        pending = self.target.prepare(committed,
+                                      max_pending=self.target.ctx.n_batch - len(tree) + 1)
+        k = len(pending) - 1  # batch index of the root
+        tokens = pending + tree.tokens[1:]
+        parents: list[Parent] = [COMMIT] * len(pending)
+        parents += [k + tree.parents[i] for i in range(1, len(tree))]
+        want = [False] * k + [True] * len(tree)
+        slots, logits = self.target.decode(tokens, parents, want)
+        if params.greedy:
+            verdict = verify_greedy(tree, logits)
+        else:
+            verdict = verify_sampling(tree, logits, draft.q, params, rng)
+        return verdict, slots[k:]  # slots of the tree's nodes, by node id
+
+    def _feed_ngram(self, committed: list[int]) -> None:
+        """Teach the n-gram model the conversation (only what it has not seen yet)."""
+        fed = self._ngram_fed
+        if committed[:len(fed)] != fed:
+            fed = self._ngram_fed = []
+        if len(committed) > len(fed):
+            self.ngram.update_continued(fed, committed[len(fed):])
+            self._ngram_fed = list(committed)
+
+
+def _truncate(tokens: list[int], stop: Collection[int], limit: int) -> tuple[list[int], str | None]:
+    for i, t in enumerate(tokens[:limit]):
+        if t in stop:
+            return tokens[:i], "stop"
+    if len(tokens) >= limit:
+        return tokens[:limit], "length"
+    return tokens, None
+
+
+def _empty_stats() -> StepStats:
+    return StepStats(0, 0, 0, 0, {"draft": 0, "ngram": 0, "target": 0}, 0, 0, 0,
+                     0.0, 0.0, 0.0, 0.0)

@@ -1,0 +1,173 @@
+"""Keeping a context's KV cache in step with a token tree.
+
+Sequence 0 holds the committed tokens. Each batch of new tree nodes gives every *batch leaf*
+(a new node with no new child) a fresh sequence id, copied from its nearest ancestor already in
+the cache; every new node carries the ids of all batch leaves below it. That is the layout
+llama.cpp accepts for a tree in one ``llama_batch``: each sequence then sees exactly its own
+root-to-leaf path at consecutive positions. Committing a path keeps that path's sequence and
+makes it sequence 0 again.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections.abc import Sequence
+
+import numpy as np
+
+from .errors import PromptTooLong, TooManySequences
+from .protocols import Context
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Slot:
+    """Where a decoded node lives: its position, and a sequence holding it and its ancestors."""
+
+    pos: int
+    seq: int
+
+
+COMMIT = None
+"""Parent marker for a token that extends sequence 0 directly (it is already committed)."""
+
+Parent = Slot | int | None  # a cached node, an earlier node of the same batch, or COMMIT
+
+
+class KVTree:
+    """One context's cache: committed tokens on sequence 0 plus this step's tree nodes."""
+
+    def __init__(self, ctx: Context) -> None:
+        self.ctx = ctx
+        self.tokens: list[int] = []  # what sequence 0 holds, position by position
+        self._next_seq = 1
+
+    @property
+    def room(self) -> int:
+        """Positions still free in the context window."""
+        return self.ctx.n_ctx - len(self.tokens)
+
+    def tip(self) -> Slot | None:
+        return Slot(len(self.tokens) - 1, 0) if self.tokens else None
+
+    def rollback(self) -> None:
+        """Forget every uncommitted node (after a finished or abandoned step)."""
+        self.ctx.seq_keep(0)
+        self.ctx.seq_rm(0, len(self.tokens), -1)
+        self._next_seq = 1
+
+    def prepare(self, committed: Sequence[int], max_pending: int) -> list[int]:
+        """Cache all but the last few ``committed`` tokens; return those (at least the last).
+
+        What the cache shares with ``committed`` is kept (a new chat turn re-decodes only what
+        is new); a long gap is decoded here in chunks of ``n_batch``, so that at most
+        ``max_pending`` tokens are left to decode with the caller's next batch.
+        """
+        if not committed:
+            raise ValueError("nothing to decode")
+        if len(committed) > self.ctx.n_ctx:
+            raise PromptTooLong(len(committed), self.ctx.n_ctx)
+        self.rollback()
+        start = min(_common_prefix(self.tokens, committed), len(committed) - 1)
+        self.ctx.seq_rm(0, start, -1)
+        del self.tokens[start:]
+        if len(committed) - start > max(max_pending, 1):
+            rest = list(committed[start:-1])
+            for i in range(0, len(rest), self.ctx.n_batch):
+                chunk = rest[i:i + self.ctx.n_batch]
+                self.decode(chunk, [COMMIT] * len(chunk), [False] * len(chunk))
+            start = len(committed) - 1
+        return list(committed[start:])
+
+    def decode(self, tokens: Sequence[int], parents: Sequence[Parent],
+               want_logits: Sequence[bool] | None = None) -> tuple[list[Slot], np.ndarray]:
+        """Decode new nodes in one batch; returns their slots and the requested logits.
+
+        ``parents[i]`` is ``COMMIT`` (the token extends sequence 0: such tokens come first and
+        become committed), an earlier index in this batch, or the ``Slot`` of a cached node.
+        """
+        n = len(tokens)
+        pos, anchor = self._positions(parents)
+        is_parent = [False] * n
+        for p in parents:
+            if isinstance(p, int):
+                is_parent[p] = True
+        seqs: list[list[int]] = [[0] if parents[i] is COMMIT else [] for i in range(n)]
+        leaf_seq = [0] * n
+        for i in range(n):
+            if parents[i] is COMMIT or is_parent[i]:
+                continue
+            s = self._new_seq()
+            leaf_seq[i] = s
+            origin = anchor[i]
+            if origin is not None:
+                self.ctx.seq_cp(origin.seq, s, -1, origin.pos + 1)
+            j: int | None = i
+            while j is not None:  # the leaf's id goes on every new node of its path
+                seqs[j].append(s)
+                p = parents[j]
+                if p is COMMIT:  # COMMIT tokens are a chain: the previous one is the parent
+                    j = j - 1 if j > 0 else None
+                else:
+                    j = p if isinstance(p, int) else None
+        for i in reversed(range(n)):  # a slot names any sequence that holds the node
+            if not leaf_seq[i] and parents[i] is not COMMIT:
+                leaf_seq[i] = next(leaf_seq[c] for c in range(i + 1, n) if parents[c] == i)
+        logits = self.ctx.decode(tokens, pos, seqs,
+                                 True if want_logits is None else list(want_logits))
+        for i in range(n):
+            if parents[i] is COMMIT:
+                self.tokens.append(tokens[i])
+        slots = [Slot(pos[i], 0 if parents[i] is COMMIT else leaf_seq[i]) for i in range(n)]
+        return slots, logits
+
+    def _positions(self, parents: Sequence[Parent]) -> tuple[list[int], list[Slot | None]]:
+        """Each node's position, and its nearest ancestor already in the cache (or None)."""
+        base = self.tip()
+        pos: list[int] = []
+        anchor: list[Slot | None] = []
+        n_commit = 0
+        for i, p in enumerate(parents):
+            if p is COMMIT:
+                if i != n_commit:
+                    raise ValueError("COMMIT tokens must come first in a batch")
+                n_commit += 1
+                pos.append(len(self.tokens) + i)
+                anchor.append(base)
+            elif isinstance(p, Slot):
+                pos.append(p.pos + 1)
+                anchor.append(p)
+            else:
+                if not 0 <= p < i:
+                    raise ValueError(f"node {i}: parent {p} must be an earlier node of the batch")
+                pos.append(pos[p] + 1)
+                anchor.append(anchor[p])
+        return pos, anchor
+
+    def _new_seq(self) -> int:
+        s = self._next_seq
+        if s >= self.ctx.n_seq_max:
+            raise TooManySequences(f"tree needs sequence id {s}, n_seq_max is "
+                                   f"{self.ctx.n_seq_max}")
+        self._next_seq += 1
+        return s
+
+    def commit(self, slot: Slot, tokens: Sequence[int]) -> None:
+        """Keep the path ending at ``slot`` (whose tokens beyond sequence 0 are ``tokens``)."""
+        if len(self.tokens) + len(tokens) != slot.pos + 1:
+            raise ValueError(f"path of {len(tokens)} tokens does not end at position {slot.pos}")
+        self.ctx.seq_keep(slot.seq)
+        self.ctx.seq_rm(slot.seq, slot.pos + 1, -1)
+        if slot.seq != 0:
+            self.ctx.seq_cp(slot.seq, 0, -1, -1)
+            self.ctx.seq_rm(slot.seq, -1, -1)
+        self.tokens.extend(tokens)
+        self._next_seq = 1
+
+
+def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
+    n = 0
+    for x, y in zip(a, b, strict=False):
+        if x != y:
+            break
+        n += 1
+    return n

@@ -1,0 +1,102 @@
+"""Turning logits into the distributions that drafting and verification compare.
+
+The same ``distribution`` is applied to draft and target logits: speculative sampling is exact
+for the *processed* target distribution (temperature, then top-k, then top-p), so both sides must
+be processed identically.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SamplingParams:
+    temperature: float = 0.0  # 0 means greedy: the output is the target's argmax, token for token
+    top_k: int = 0            # keep the k most likely tokens; 0 keeps all
+    top_p: float = 1.0        # keep the smallest set whose mass reaches top_p; 1 keeps all
+    seed: int | None = None   # same seed, same settings, same models: same output
+
+    def __post_init__(self) -> None:
+        if self.temperature < 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top_k must be >= 0, got {self.top_k}")
+        if not 0.0 < self.top_p <= 1.0:
+            raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0.0
+
+
+def softmax(logits: np.ndarray) -> np.ndarray:
+    """Softmax in float64 over the last axis (float32 loses the small residual masses)."""
+    z = np.asarray(logits, dtype=np.float64)
+    z = z - z.max(axis=-1, keepdims=True)
+    e = np.exp(z)
+    return e / e.sum(axis=-1, keepdims=True)
+
+
+def _top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
+    """Indices of the smallest most-likely set whose mass reaches ``top_p`` (ties by index)."""
+    n = p.size
+    k = min(64, n)
+    while True:
+        idx = np.argpartition(-p, k - 1)[:k] if k < n else np.arange(n)
+        idx = idx[np.lexsort((idx, -p[idx]))]  # descending probability, then ascending id
+        cum = np.cumsum(p[idx])
+        if cum[-1] >= top_p or k == n:
+            cut = int(np.searchsorted(cum, top_p * (1 - 1e-12))) + 1
+            return idx[:cut]
+        k = min(n, k * 8)
+
+
+def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
+    """The sampling distribution for one row of logits, float64, summing to 1.
+
+    temperature scales the logits; top-k then zeroes all but the k largest; top-p then keeps
+    the smallest prefix (by probability) with mass >= top_p; what is kept is renormalised.
+    With temperature 0 this is the softmax at temperature 1 (used to rank draft candidates; greedy
+    verification looks at the argmax only).
+    """
+    temp = params.temperature or 1.0
+    z = np.asarray(logits, dtype=np.float64) / temp
+    if params.top_k and params.top_k < z.size:
+        kth = np.argpartition(-z, params.top_k - 1)[: params.top_k]
+        masked = np.full_like(z, -np.inf)
+        masked[kth] = z[kth]
+        z = masked
+    p = softmax(z)
+    if params.top_p < 1.0:
+        keep = _top_p_keep(p, params.top_p)
+        q = np.zeros_like(p)
+        q[keep] = p[keep]
+        p = q / q.sum()
+    return p
+
+
+def argmax(logits: np.ndarray) -> int:
+    """Greedy choice; ties go to the smallest token id (numpy's argmax), on both sides."""
+    return int(np.argmax(logits))
+
+
+def sample(p: np.ndarray, rng: np.random.Generator) -> int:
+    """One token from distribution ``p`` (by inverse CDF, robust to rounding)."""
+    cum = np.cumsum(p)
+    return int(min(np.searchsorted(cum, rng.random() * cum[-1], side="right"), p.size - 1))
+
+
+def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
+    """``k`` distinct tokens drawn one after another from ``p`` renormalised over the tokens not
+    yet drawn (Gumbel-top-k: the order of ``log p + Gumbel noise`` is exactly that process)."""
+    support = np.flatnonzero(p > 0)
+    k = min(k, support.size)
+    if k == 0:
+        return []
+    keys = np.log(p[support]) + rng.gumbel(size=support.size)
+    order = np.argpartition(-keys, k - 1)[:k] if k < support.size else np.arange(support.size)
+    order = order[np.argsort(-keys[order], kind="stable")]
+    return [int(t) for t in support[order]]

@@ -1,0 +1,122 @@
+"""Every statistic of a generation, defined once. The CLI, the benchmark and the GUI only show them.
+
+A *step* is one target forward pass during generation (prefill excluded): the target verifies a
+tree (plain decoding: a lone root) and the output grows by the accepted path plus one token of
+the target's own.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+ORIGINS = ("draft", "ngram", "target")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepStats:
+    drafted: int           # tree nodes the target verified, root excluded
+    accepted: int          # drafted tokens accepted: the length of the accepted path
+    offered: int           # tree depths at which the target was offered at least one candidate
+    emitted: int           # tokens added to the output (accepted + 1; fewer at a stop or limit)
+    origins: dict[str, int]  # emitted tokens by proposer: draft model, n-gram, target itself
+    draft_calls: int       # draft-model decodes this step
+    stage2_proposed: int   # n-gram tokens the draft decoded speculatively (stage 2)
+    stage2_used: int       # ... of which tree growth then needed
+    t_draft: float         # seconds growing the tree with the draft model
+    t_stage2: float        # seconds in the n-gram model
+    t_verify: float        # seconds in the target's forward pass and the acceptance rule
+    t_other: float         # the rest of the step (bookkeeping, KV commits)
+
+    @property
+    def seconds(self) -> float:
+        return self.t_draft + self.t_stage2 + self.t_verify + self.t_other
+
+
+@dataclasses.dataclass(slots=True)
+class RunStats:
+    """The steps of one generation, and what is derived from them."""
+
+    mode: str = ""
+    prompt_tokens: int = 0
+    t_prefill: float = 0.0  # seconds decoding the prompt into both caches
+    steps: list[StepStats] = dataclasses.field(default_factory=list)
+
+    def add(self, step: StepStats) -> None:
+        self.steps.append(step)
+
+    @property
+    def tokens(self) -> int:
+        return sum(s.emitted for s in self.steps)
+
+    @property
+    def tau(self) -> float:
+        """Mean tokens per target forward pass: emitted tokens / steps (plain decoding: 1)."""
+        return self.tokens / len(self.steps) if self.steps else 0.0
+
+    @property
+    def mean_accepted(self) -> float:
+        """Mean accepted path length per step (drafted tokens only; tau is about this + 1)."""
+        return sum(s.accepted for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def node_acceptance(self) -> float:
+        """Accepted / drafted nodes. A tree drafts several candidates per depth and at most one
+        per depth can be accepted, so this is the tree's *efficiency*, not its hit rate."""
+        drafted = sum(s.drafted for s in self.steps)
+        return sum(s.accepted for s in self.steps) / drafted if drafted else 0.0
+
+    def depth_acceptance(self) -> list[float]:
+        """rate[d-1] = P(a token is accepted at depth d | the target was offered candidates at
+        depth d) = #steps with accepted >= d / #steps with offered >= d."""
+        deepest = max((s.offered for s in self.steps), default=0)
+        rates = []
+        for d in range(1, deepest + 1):
+            offered = sum(s.offered >= d for s in self.steps)
+            rates.append(sum(s.accepted >= d for s in self.steps) / offered)
+        return rates
+
+    def origins(self) -> dict[str, int]:
+        return {o: sum(s.origins.get(o, 0) for s in self.steps) for o in ORIGINS}
+
+    @property
+    def seconds(self) -> float:
+        """Generation time, prefill excluded."""
+        return sum(s.seconds for s in self.steps)
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+    def time_split(self) -> dict[str, float]:
+        return {k: sum(getattr(s, f"t_{k}") for s in self.steps)
+                for k in ("draft", "stage2", "verify", "other")}
+
+    @property
+    def draft_calls_per_step(self) -> float:
+        return sum(s.draft_calls for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
+    def stage2_hit_rate(self) -> float:
+        """Share of stage-2 n-gram tokens that the tree then needed."""
+        proposed = sum(s.stage2_proposed for s in self.steps)
+        return sum(s.stage2_used for s in self.steps) / proposed if proposed else 0.0
+
+    def summary(self) -> dict[str, Any]:
+        """Plain data for JSON output and display."""
+        return {
+            "mode": self.mode,
+            "prompt_tokens": self.prompt_tokens,
+            "tokens": self.tokens,
+            "target_passes": len(self.steps),
+            "tau": self.tau,
+            "mean_accepted": self.mean_accepted,
+            "node_acceptance": self.node_acceptance,
+            "depth_acceptance": self.depth_acceptance(),
+            "origins": self.origins(),
+            "draft_calls_per_step": self.draft_calls_per_step,
+            "stage2_hit_rate": self.stage2_hit_rate,
+            "time": {"prefill": self.t_prefill, **self.time_split()},
+            "seconds": self.seconds,
+            "tokens_per_second": self.tokens_per_second,
+        }

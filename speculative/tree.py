@@ -1,0 +1,87 @@
+"""A token tree: the root is the last committed token, every other node a drafted continuation.
+
+Nodes are numbered so that parents come before children (the order a ``llama_batch`` needs).
+Each non-root node has a ``score``: the draft's cumulative probability of the slot it fills, used
+to choose the tree best-first, and a ``rank``: its position among its siblings, which is the order
+in which verification tries them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import heapq
+
+
+@dataclasses.dataclass(slots=True)
+class TokenTree:
+    tokens: list[int]
+    parents: list[int]          # parents[0] == -1 (root)
+    depths: list[int]
+    scores: list[float]         # root: 1.0
+    ranks: list[int]            # index among siblings, 0 = tried first
+    origins: list[str]          # who proposed the node: "root", "draft" or "ngram"
+    children: list[list[int]]   # node ids in rank order
+
+    @classmethod
+    def rooted(cls, token: int) -> TokenTree:
+        return cls([token], [-1], [0], [1.0], [0], ["root"], [[]])
+
+    def __len__(self) -> int:
+        return len(self.tokens)
+
+    def add(self, parent: int, token: int, score: float, origin: str) -> int:
+        node = len(self.tokens)
+        self.tokens.append(token)
+        self.parents.append(parent)
+        self.depths.append(self.depths[parent] + 1)
+        self.scores.append(score)
+        self.ranks.append(len(self.children[parent]))
+        self.origins.append(origin)
+        self.children.append([])
+        self.children[parent].append(node)
+        return node
+
+    def path(self, node: int) -> tuple[int, ...]:
+        """Tokens from just below the root down to ``node`` (empty for the root)."""
+        out = []
+        while node > 0:
+            out.append(self.tokens[node])
+            node = self.parents[node]
+        return tuple(reversed(out))
+
+    def child_with_token(self, node: int, token: int) -> int | None:
+        for c in self.children[node]:
+            if self.tokens[c] == token:
+                return c
+        return None
+
+    @property
+    def max_depth(self) -> int:
+        return max(self.depths)
+
+    def top_nodes(self, n: int) -> set[int]:
+        """The ``n`` best non-root nodes by score (ties: shallower, then older, first).
+
+        A child's score never exceeds its parent's and ties prefer the shallower node, so the
+        chosen set always contains every chosen node's ancestors: it is itself a tree.
+        """
+        best = heapq.nsmallest(n, range(1, len(self.tokens)),
+                               key=lambda i: (-self.scores[i], self.depths[i], i))
+        return set(best)
+
+    def pruned(self, keep: set[int]) -> TokenTree:
+        """A new tree of the root and ``keep``, renumbered breadth-first (parents first)."""
+        out = TokenTree.rooted(self.tokens[0])
+        queue = [(0, 0)]  # (old id, new id)
+        while queue:
+            nxt = []
+            for old, new in queue:
+                for c in self.children[old]:
+                    if c in keep:
+                        nxt.append((c, out.add(new, self.tokens[c], self.scores[c],
+                                               self.origins[c])))
+            queue = nxt
+        return out
+
+    def leaves(self) -> list[int]:
+        return [i for i, ch in enumerate(self.children) if not ch]

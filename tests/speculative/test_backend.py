@@ -1,0 +1,127 @@
+"""The llama.cpp boundary: tree batches, guards that keep llama.cpp from aborting, bad files."""
+
+from __future__ import annotations
+
+import struct
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from models.gguf_writer import Gpt2Config, Vocab, random_gpt2
+from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+from speculative.errors import (
+    BatchTooLarge,
+    ContextOverflow,
+    IncompatibleModels,
+    ModelLoadError,
+    TooManySequences,
+)
+from speculative.kvtree import COMMIT, KVTree
+from speculative.loading import open_pair
+
+
+@pytest.fixture
+def ctx(tiny_models):
+    with LlamaModel(tiny_models["q8_0-target"]) as model, \
+            LlamaContext(model, ContextConfig(n_ctx=128, n_batch=16, n_seq_max=8)) as c:
+        yield c
+
+
+def test_tree_batch_logits_equal_sequential_decoding(ctx) -> None:
+    """Root r with children a (which has child b) and c: each path's logits must be those of
+    decoding that path alone."""
+    prefix = [464, 2068, 7586, 21831]
+    r, a, b, c = 625, 11, 257, 290
+    kv = KVTree(ctx)
+    kv.prepare([*prefix, r], max_pending=1)
+    slots, tree = kv.decode([r, a, b, c], [COMMIT, 0, 1, 0])
+    assert [s.pos for s in slots] == [4, 5, 6, 5]
+    for path, row in (([r], 0), ([r, a], 1), ([r, a, b], 2), ([r, c], 3)):
+        ctx.clear()
+        seq = prefix + path
+        alone = ctx.decode(seq, list(range(len(seq))), [[0]] * len(seq))[-1]
+        assert np.abs(alone - tree[row]).max() < 1e-3, path
+
+
+def test_commit_keeps_only_the_accepted_path(ctx) -> None:
+    kv = KVTree(ctx)
+    kv.prepare([1, 2, 3], max_pending=1)
+    slots, _ = kv.decode([3, 10, 11, 12], [COMMIT, 0, 1, 0])
+    kv.commit(slots[2], [10, 11])
+    assert kv.tokens == [1, 2, 3, 10, 11]
+    assert ctx.seq_pos_max(0) == 4
+    assert all(ctx.seq_pos_max(s) == -1 for s in range(1, 8))
+    # the cache now continues exactly like a fresh decode of the same text
+    _, out = kv.decode([5], [COMMIT])
+    ctx2 = LlamaContext(ctx.model, ContextConfig(n_ctx=128, n_batch=16, n_seq_max=1))
+    ref = ctx2.decode([1, 2, 3, 10, 11, 5], list(range(6)), [[0]] * 6)[-1]
+    ctx2.close()
+    assert np.abs(out[-1] - ref).max() < 1e-3
+
+
+def test_guards_raise_instead_of_aborting(ctx) -> None:
+    with pytest.raises(BatchTooLarge, match="n_batch is 16"):
+        ctx.decode(list(range(17)), list(range(17)), [[0]] * 17)
+    with pytest.raises(ContextOverflow, match="context of 128"):
+        ctx.decode([1], [128], [[0]])
+    with pytest.raises(TooManySequences):
+        ctx.decode([1], [0], [[8]])
+    with pytest.raises(TooManySequences):
+        ctx.decode([1], [0], [list(range(9))])
+    with pytest.raises(TooManySequences):
+        ctx.seq_cp(0, 99)
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        ctx.decode([50257], [0], [[0]])
+    # still alive and correct after all that
+    out = ctx.decode([1, 2], [0, 1], [[0], [0]])
+    assert out.shape == (2, 50257) and np.isfinite(out).all()
+
+
+def test_tree_with_more_leaves_than_sequences_is_refused(ctx) -> None:
+    kv = KVTree(ctx)
+    kv.prepare([1, 2], max_pending=1)
+    with pytest.raises(TooManySequences):
+        kv.decode([2, *range(10, 20)], [COMMIT] + [0] * 10)  # 10 leaves, n_seq_max 8
+    kv.rollback()
+    _, out = kv.decode([2], [COMMIT])
+    assert np.isfinite(out).all()
+
+
+def _write_gguf_header(path: Path, arch: str) -> None:
+    """A GGUF that only declares its architecture (what a non-GPT-2 file looks like first)."""
+    key = b"general.architecture"
+    with open(path, "wb") as fh:
+        fh.write(b"GGUF" + struct.pack("<IQQ", 3, 0, 1))
+        fh.write(struct.pack("<Q", len(key)) + key + struct.pack("<I", 8))
+        fh.write(struct.pack("<Q", len(arch)) + arch.encode())
+
+
+def test_bad_files_give_clear_errors(tmp_path: Path, tiny_models) -> None:
+    with pytest.raises(ModelLoadError, match="no such file"):
+        LlamaModel(tmp_path / "missing.gguf")
+    junk = tmp_path / "junk.gguf"
+    junk.write_bytes(b"not a model at all")
+    with pytest.raises(ModelLoadError, match="not a GGUF file"):
+        LlamaModel(junk)
+    truncated = tmp_path / "truncated.gguf"
+    truncated.write_bytes(Path(tiny_models["q8_0-target"]).read_bytes()[:200_000])
+    with pytest.raises(ModelLoadError, match="could not load"):
+        LlamaModel(truncated)
+    llama = tmp_path / "llama.gguf"
+    _write_gguf_header(llama, "llama")
+    with pytest.raises(ModelLoadError, match="'llama' model"):
+        LlamaModel(llama)
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path: Path, tiny_models, vocab) -> None:
+    tokens = list(vocab.tokens)
+    tokens[100], tokens[101] = tokens[101], tokens[100]
+    other = Vocab(tokens, vocab.merges, vocab.token_types, vocab.bos_id, vocab.eos_id)
+    cfg = Gpt2Config(n_ctx=128, n_embd=64, n_layer=1, n_head=2)
+    draft = random_gpt2(tmp_path / "other.gguf", cfg, vocab=other, ftype="f16")
+    with pytest.raises(IncompatibleModels, match="token 100"):
+        open_pair(tiny_models["q8_0-target"], draft, ContextConfig(n_ctx=128))
+    # and the target is still usable afterwards
+    with open_pair(tiny_models["q8_0-target"], None, ContextConfig(n_ctx=128)) as pair:
+        assert pair.target.vocab.tokenize("hello") == [31373]

@@ -1,0 +1,192 @@
+"""The generation loop on fake contexts: greedy oracle for every mode, KV bookkeeping, settings
+changed mid-generation, cancel, context limits. (Real llama.cpp: test_oracle.py.)"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+
+from speculative.drafting import TreeBudget
+from speculative.engine import Engine, Mode, SpecConfig
+from speculative.errors import IncompatibleModels, PromptTooLong
+from speculative.ngram import KatzTrigram
+from speculative.sampling import SamplingParams
+from speculative.stats import RunStats
+from tests.fakes import FakeContext, logit_table, noisy
+
+V = 12
+TARGET = logit_table(V, seed=1)
+DRAFT = noisy(TARGET, seed=2, noise=1.0)
+PROMPTS = [list(np.random.default_rng(s).integers(0, V, size=1 + s % 5)) for s in range(20)]
+BUDGETS = [TreeBudget(1, 1, 1), TreeBudget(4, 3, 2), TreeBudget(8, 5, 3), TreeBudget(12, 8, 4)]
+
+
+DEFAULT_BUDGET = TreeBudget()
+
+
+def _engine(mode: Mode, budget: TreeBudget = DEFAULT_BUDGET, n_ctx: int = 64,
+            corpus: list[list[int]] | None = None, draft: np.ndarray = DRAFT) -> Engine:
+    ngram = KatzTrigram.build(corpus or [list(np.random.default_rng(9).integers(0, V, 200))], V)
+    return Engine(FakeContext(TARGET, n_ctx=n_ctx), FakeContext(draft, n_ctx=n_ctx), ngram,
+                  SpecConfig(mode=mode, tree=budget, chain_length=3, lookahead=3))
+
+
+def _generate(engine: Engine, prompt: list[int], n: int, **kw) -> list[int]:
+    out: list[int] = []
+    for step in engine.generate(prompt, n, **kw):
+        out += step.tokens
+    return out
+
+
+def _plain(prompt: list[int], n: int) -> list[int]:
+    out, ctx = [], list(prompt)
+    for _ in range(n):
+        a, b = ([0, 0, *ctx])[-2:]
+        ctx.append(int(np.argmax(TARGET[a, b].astype(np.float32))))
+        out.append(ctx[-1])
+    return out
+
+
+@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b.max_nodes}n{b.max_depth}d")
+def test_greedy_equals_plain_decoding(mode: Mode, budget: TreeBudget) -> None:
+    engine = _engine(mode, budget)
+    for prompt in PROMPTS:
+        assert _generate(engine, prompt, 24) == _plain(prompt, 24), (mode, prompt)
+
+
+@pytest.mark.parametrize("mode", [Mode.TREE, Mode.STAGED, Mode.CHAIN])
+def test_cache_holds_exactly_the_committed_tokens(mode: Mode) -> None:
+    engine = _engine(mode, TreeBudget(8, 4, 3))
+    prompt = [1, 2, 3]
+    out = _generate(engine, prompt, 30)
+    committed = prompt + out
+    target, draft = engine.target.ctx, engine.draft.ctx
+    assert target.held(0) == committed[: len(target.held(0))]
+    assert len(target.held(0)) >= len(committed) - 1 - 8  # at most the last step's tail is pending
+    assert {s for c in target.cells for s in c.seqs} == {0}  # no tree sequence left behind
+    assert {s for c in draft.cells for s in c.seqs} == {0}
+    assert draft.held(0) == committed[: len(draft.held(0))]
+
+
+def test_drafting_saves_target_passes() -> None:
+    """A good draft must cut the number of target passes; if it does not, speculation is broken
+    even if the output is right."""
+    runs = {}
+    for mode in (Mode.PLAIN, Mode.CHAIN, Mode.TREE, Mode.STAGED):
+        run = RunStats()
+        _generate(_engine(mode, TreeBudget(8, 4, 3)), [1, 2], 40, run=run)
+        runs[mode] = run
+    assert len(runs[Mode.PLAIN].steps) == 40
+    assert runs[Mode.TREE].tau > 1.5
+    assert runs[Mode.CHAIN].tau > 1.2
+    assert runs[Mode.STAGED].tau == pytest.approx(runs[Mode.TREE].tau)  # same trees
+    for run in runs.values():
+        assert run.tokens == 40
+        assert sum(run.origins().values()) == 40
+
+
+def test_stage2_saves_draft_calls_on_repetitive_text() -> None:
+    """With an n-gram that knows the text (and a draft that agrees with the target), staged mode
+    needs fewer draft calls than tree mode for the identical output."""
+    text = _plain([3, 4], 60)
+    corpus = [[3, 4, *text]] * 3
+    calls = {}
+    outs = {}
+    for mode in (Mode.TREE, Mode.STAGED):
+        run = RunStats()
+        engine = _engine(mode, TreeBudget(6, 6, 1), corpus=corpus, draft=TARGET)
+        outs[mode] = _generate(engine, [3, 4], 40, run=run)
+        calls[mode] = sum(s.draft_calls for s in run.steps)
+        if mode is Mode.STAGED:
+            assert run.stage2_hit_rate > 0.5
+            assert run.origins()["ngram"] > 0
+    assert outs[Mode.TREE] == outs[Mode.STAGED]
+    assert calls[Mode.STAGED] < calls[Mode.TREE] * 0.7
+
+
+def test_settings_change_mid_generation_stays_exact() -> None:
+    engine = _engine(Mode.PLAIN)
+    out = []
+    modes = [Mode.TREE, Mode.NGRAM, Mode.PLAIN, Mode.STAGED, Mode.CHAIN] * 4
+    for i, step in enumerate(engine.generate([5, 6], 40)):
+        out += step.tokens
+        engine.config = SpecConfig(mode=modes[i % len(modes)],
+                                   tree=BUDGETS[i % len(BUDGETS)])
+    assert out == _plain([5, 6], 40)
+
+
+def test_second_turn_reuses_the_cache() -> None:
+    engine = _engine(Mode.TREE, TreeBudget(4, 3, 2))
+    first = _generate(engine, [1, 2, 3], 10)
+    ctx = engine.target.ctx
+    before = ctx.decoded_tokens
+    turn2 = [1, 2, 3, *first, 7, 8]
+    second = _generate(engine, turn2, 10)
+    assert second == _plain(turn2, 10)
+    # the second turn's prefill decoded only the new tokens, not the whole history again
+    assert ctx.decoded_tokens - before < len(turn2) + 10 * 5
+
+
+def test_cancel_stops_between_steps() -> None:
+    engine = _engine(Mode.TREE)
+    calls = iter(range(100))
+    steps = list(engine.generate([1], 50, cancel=lambda: next(calls) >= 3))
+    assert steps[-1].finish == "cancelled"
+    assert len(steps) == 4
+    # the engine is still usable and exact afterwards
+    assert _generate(engine, [1], 10) == _plain([1], 10)
+
+
+def test_stop_token_and_length_limit() -> None:
+    plain = _plain([2], 30)
+    engine = _engine(Mode.TREE, TreeBudget(8, 5, 2))
+    stop = plain[7]
+    first = plain.index(stop)
+    steps = list(engine.generate([2], 30, stop={stop}))
+    assert [t for s in steps for t in s.tokens] == plain[:first]
+    assert steps[-1].finish == "stop"
+    steps = list(_engine(Mode.TREE, TreeBudget(8, 5, 2)).generate([2], 13))
+    assert [t for s in steps for t in s.tokens] == plain[:13]
+    assert steps[-1].finish == "length"
+
+
+def test_generation_ends_at_the_context_window() -> None:
+    engine = _engine(Mode.STAGED, TreeBudget(8, 6, 2), n_ctx=20)
+    steps = list(engine.generate([1, 2, 3], 100))
+    out = [t for s in steps for t in s.tokens]
+    assert steps[-1].finish == "context"
+    assert len(out) == 20 - 3 + 1  # every position of the window, then one last token
+    assert out == _plain([1, 2, 3], len(out))
+
+
+def test_prompt_longer_than_the_context_is_refused_and_engine_survives() -> None:
+    engine = _engine(Mode.TREE, n_ctx=16)
+    with pytest.raises(PromptTooLong, match="17 tokens"):
+        list(engine.generate([*range(12), 1, 2, 3, 4, 5], 5))
+    assert _generate(engine, [1, 2], 5) == _plain([1, 2], 5)
+
+
+def test_vocabulary_mismatch_is_refused() -> None:
+    other = FakeContext(logit_table(V + 1, seed=3))
+    with pytest.raises(IncompatibleModels, match="13 tokens"):
+        Engine(FakeContext(TARGET), other)
+
+
+def test_mode_without_draft_model_is_refused() -> None:
+    engine = Engine(FakeContext(TARGET))
+    engine.config = SpecConfig(mode=Mode.TREE)
+    with pytest.raises(ValueError, match="needs a draft"):
+        list(engine.generate([1], 3))
+    engine.config = SpecConfig(mode=Mode.NGRAM)
+    assert _generate(engine, [1], 8) == _plain([1], 8)
+
+
+def test_seeded_sampling_is_reproducible() -> None:
+    params = SamplingParams(temperature=0.9, top_k=6, seed=123)
+    a = _generate(_engine(Mode.STAGED, TreeBudget(6, 4, 3)), [1, 2], 30, params=params)
+    b = _generate(_engine(Mode.STAGED, TreeBudget(6, 4, 3)), [1, 2], 30, params=params)
+    c = _generate(_engine(Mode.STAGED, TreeBudget(6, 4, 3)), [1, 2], 30,
+                  params=SamplingParams(temperature=0.9, top_k=6, seed=124))
+    assert a == b
+    assert a != c

@@ -1,0 +1,174 @@
+"""Tree speculative sampling must leave the target's distribution exactly as it is.
+
+Fake models over 8 tokens with fixed logit tables; the joint distribution of the first two
+generated tokens is compared with the exact one by a chi-square test (100k samples per case).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import numpy as np
+import pytest
+
+from speculative.drafting import DraftCounters, TreeBudget, grow_tree
+from speculative.engine import Engine, Mode, SpecConfig
+from speculative.ngram import KatzTrigram
+from speculative.sampling import SamplingParams, distribution, sample_without_replacement
+from speculative.verify import verify_sampling
+from tests.fakes import FakeContext, logit_table, noisy, table_logits
+
+V = 8
+TARGET = logit_table(V, seed=11, sharpness=1.5).astype(np.float32)
+PROMPT = [3, 5]
+
+
+class TableDrafter:
+    """A draft model as a logit table (no KV cache): the pure algorithm under test."""
+
+    def __init__(self, table: np.ndarray) -> None:
+        self.table = table
+        self.counters = DraftCounters()
+        self.committed: list[int] = []
+
+    def begin(self, committed: Sequence[int]) -> np.ndarray:
+        self.committed = list(committed)
+        return table_logits(self.table, self.committed)
+
+    def logits(self, paths):
+        return [table_logits(self.table, [*self.committed, *p]) for p in paths]
+
+    def origin(self, path) -> str:
+        return "draft"
+
+    def commit(self, accepted) -> None:
+        pass
+
+
+def exact_joint(params: SamplingParams) -> np.ndarray:
+    p1 = distribution(table_logits(TARGET, PROMPT), params)
+    joint = np.zeros((V, V))
+    for x in range(V):
+        joint[x] = p1[x] * distribution(table_logits(TARGET, [*PROMPT, x]), params)
+    return joint
+
+
+def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams,
+               rng: np.random.Generator) -> tuple[int, int]:
+    committed, out = list(PROMPT), []
+    while len(out) < 2:
+        draft = grow_tree(drafter, committed, budget, params, rng)
+        tree = draft.tree
+        logits = np.array([table_logits(TARGET, [*committed, *tree.path(i)])
+                           for i in range(len(tree))])
+        verdict = verify_sampling(tree, logits, draft.q, params, rng)
+        new = [tree.tokens[n] for n in verdict.accepted] + [verdict.next_token]
+        out += new
+        committed += new
+    return out[0], out[1]
+
+
+def chi_square_ok(counts: np.ndarray, probs: np.ndarray, p_value: float = 1e-4) -> tuple:
+    """Pearson's chi-square with cells of expected count < 5 pooled. The critical value uses
+    the Wilson-Hilferty approximation of the chi-square quantile (accurate to <1% for dof>=3)."""
+    n = counts.sum()
+    expected = probs.ravel() * n
+    observed = counts.ravel()
+    small = expected < 5
+    exp = np.append(expected[~small], expected[small].sum())
+    obs = np.append(observed[~small], observed[small].sum())
+    keep = exp > 0
+    stat = float(((obs[keep] - exp[keep]) ** 2 / exp[keep]).sum())
+    assert obs[~keep].sum() == 0, "a sample fell where the target has probability 0"
+    dof = int(keep.sum()) - 1
+    z = {1e-4: 3.719, 1e-3: 3.090}[p_value]
+    critical = dof * (1 - 2 / (9 * dof) + z * math.sqrt(2 / (9 * dof))) ** 3
+    return stat < critical, stat, critical, dof
+
+
+CASES = [
+    # (temperature, top_k, top_p, draft noise, budget)
+    (1.0, 0, 1.0, 0.5, TreeBudget(6, 3, 3)),
+    (0.7, 3, 1.0, 0.5, TreeBudget(4, 2, 2)),
+    (1.3, 0, 0.8, 1.0, TreeBudget(8, 3, 4)),
+    (1.0, 5, 0.9, 4.0, TreeBudget(6, 2, 3)),    # a deliberately poor draft
+    (0.5, 0, 1.0, 0.3, TreeBudget(3, 3, 1)),    # a chain: standard speculative sampling
+]
+
+
+@pytest.mark.parametrize("case", CASES, ids=lambda c: f"T{c[0]}k{c[1]}p{c[2]}n{c[3]}")
+def test_tree_sampling_preserves_the_target_distribution(case) -> None:
+    temp, top_k, top_p, noise, budget = case
+    params = SamplingParams(temperature=temp, top_k=top_k, top_p=top_p)
+    drafter = TableDrafter(noisy(TARGET, seed=7, noise=noise).astype(np.float32))
+    rng = np.random.default_rng(2024)
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(100_000):
+        a, b = sample_two(drafter, budget, params, rng)
+        counts[a, b] += 1
+    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+def test_chi_square_check_detects_a_biased_sampler() -> None:
+    """The test above must be able to fail: drafting children by top-q rank instead of by
+    sampling (with the same acceptance rule) is biased, and the check must notice."""
+    params = SamplingParams(temperature=1.0)
+    drafter = TableDrafter(noisy(TARGET, seed=7, noise=1.0).astype(np.float32))
+    rng = np.random.default_rng(5)
+    counts = np.zeros((V, V), dtype=np.int64)
+    budget = TreeBudget(6, 2, 3)
+    import speculative.drafting as drafting
+    original = drafting.sample_without_replacement
+
+    def biased(p, k, rng):  # the draft's most likely tokens, not a sample
+        return [int(t) for t in np.argsort(-p, kind="stable")[:k]]
+
+    drafting.sample_without_replacement = biased
+    try:
+        for _ in range(30_000):
+            a, b = sample_two(drafter, budget, params, rng)
+            counts[a, b] += 1
+    finally:
+        drafting.sample_without_replacement = original
+    ok, *_ = chi_square_ok(counts, exact_joint(params))
+    assert not ok
+
+
+def test_sample_without_replacement_order_is_the_sequential_process() -> None:
+    rng = np.random.default_rng(0)
+    p = np.array([0.5, 0.3, 0.15, 0.05])
+    firsts = np.zeros(4)
+    seconds_after_0 = np.zeros(4)
+    n = 40_000
+    for _ in range(n):
+        a, b = sample_without_replacement(p, 2, rng)
+        assert a != b
+        firsts[a] += 1
+        if a == 0:
+            seconds_after_0[b] += 1
+    assert np.allclose(firsts / n, p, atol=0.01)
+    cond = p.copy()
+    cond[0] = 0
+    cond /= cond.sum()
+    assert np.allclose(seconds_after_0 / seconds_after_0.sum(), cond, atol=0.015)
+
+
+def test_engine_sampling_end_to_end_matches_the_target() -> None:
+    """The same check through the engine, its KV bookkeeping and the staged drafter (fewer
+    samples: the fake contexts are slow)."""
+    params_base = {"temperature": 1.0, "top_k": 6}
+    draft_table = noisy(TARGET, seed=3, noise=0.7).astype(np.float32)
+    ngram = KatzTrigram.build([[3, 5, 1, 2, 3, 5, 1, 2]], V)
+    engine = Engine(FakeContext(TARGET), FakeContext(draft_table), ngram,
+                    SpecConfig(mode=Mode.STAGED, tree=TreeBudget(5, 3, 3), lookahead=2))
+    counts = np.zeros((V, V), dtype=np.int64)
+    for seed in range(6_000):
+        params = SamplingParams(seed=seed, **params_base)
+        out: list[int] = []
+        for step in engine.generate(PROMPT, 2, params):
+            out += step.tokens
+        counts[out[0], out[1]] += 1
+    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base)))
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
