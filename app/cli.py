@@ -14,14 +14,13 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from speculative.ngram import KatzTrigram
-
 from models.paths import builtin_path, require_builtin
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
 from speculative.engine import Engine, Mode, SpecConfig
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import open_pair
+from speculative.ngram import KatzTrigram
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 
@@ -36,6 +35,9 @@ def _modes(text: str) -> list[Mode]:
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
             f"{exc}; choose from {', '.join(m.value for m in Mode)} or 'all'") from None
+
+
+_BUDGET, _SPEC = TreeBudget(), SpecConfig()
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -56,11 +58,11 @@ def build_parser() -> argparse.ArgumentParser:
     gen.add_argument("--top-k", type=int, default=0)
     gen.add_argument("--top-p", type=float, default=1.0)
     gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--max-nodes", type=int, default=TreeBudget.max_nodes)
-    gen.add_argument("--max-depth", type=int, default=TreeBudget.max_depth)
-    gen.add_argument("--max-children", type=int, default=TreeBudget.max_children)
-    gen.add_argument("--chain-length", type=int, default=SpecConfig.chain_length)
-    gen.add_argument("--lookahead", type=int, default=SpecConfig.lookahead)
+    gen.add_argument("--max-nodes", type=int, default=_BUDGET.max_nodes)
+    gen.add_argument("--max-depth", type=int, default=_BUDGET.max_depth)
+    gen.add_argument("--max-children", type=int, default=_BUDGET.max_children)
+    gen.add_argument("--chain-length", type=int, default=_SPEC.chain_length)
+    gen.add_argument("--lookahead", type=int, default=_SPEC.lookahead)
     gen.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
     gen.add_argument("--threads", type=int, default=0, help="0 = all cores")
     gen.add_argument("--flash-attn", action="store_true")
