@@ -11,6 +11,7 @@ the one the draft alone would grow: the n-gram only changes *when* nodes are com
 from __future__ import annotations
 
 import dataclasses
+import logging
 import time
 from collections.abc import Sequence
 from typing import Protocol
@@ -23,6 +24,7 @@ from .sampling import SamplingParams, distribution, sample_without_replacement
 from .tree import TokenTree
 
 Path = tuple[int, ...]
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -47,6 +49,10 @@ class DraftCounters:
     stage2_used: int = 0       # ... of which the tree later needed
     t_draft: float = 0.0       # seconds in draft decodes and tree growth
     t_stage2: float = 0.0      # seconds in the n-gram model
+
+
+class DraftExhausted(Exception):
+    """The drafter cannot decode more nodes this step (out of sequence ids): stop growing."""
 
 
 class Drafter(Protocol):
@@ -92,7 +98,8 @@ class ModelDrafter:
         # leaf) end with the root; they share one batch with the n-gram's guess after the root
         room = self.kv.ctx.n_batch - self.lookahead_len
         pending = self.kv.prepare(committed, max_pending=room)
-        guess = self._guess((), room=self.kv.ctx.n_batch - len(pending))
+        guess = self._guess((), room=self.kv.ctx.n_batch - len(pending)
+                            if self.kv.seqs_free > 0 else 0)
         tokens = pending + guess
         parents: list[Parent] = [COMMIT] * len(pending)
         parents += [len(pending) - 1 + i for i in range(len(guess))]
@@ -110,8 +117,11 @@ class ModelDrafter:
         missing = [p for p in paths if p not in self._cache]
         self.counters.stage2_used += sum(p in self._guessed for p in paths)
         if missing:
+            if len(missing) > self.kv.seqs_free:
+                raise DraftExhausted(f"{len(missing)} nodes, {self.kv.seqs_free} sequences left")
             # paths arrive best-first: the n-gram guesses how the best missing one continues
-            guess = self._guess(missing[0], room=self.kv.ctx.n_batch - len(missing))
+            room = self.kv.ctx.n_batch - len(missing)
+            guess = self._guess(missing[0], room if self.kv.seqs_free > len(missing) else 0)
             tokens = [p[-1] for p in missing] + guess
             parents: list[Parent] = [self._cache[p[:-1]][0] for p in missing]
             parents += [0 if i == 0 else len(missing) + i - 1 for i in range(len(guess))]
@@ -126,7 +136,9 @@ class ModelDrafter:
     def _guess(self, after: Path, room: int) -> list[int]:
         """The n-gram's greedy continuation of ``after``, to decode speculatively (stage 2)."""
         self._t_guess = 0.0
-        n = min(self.lookahead_len, room, self.kv.room - len(after) - 2)
+        # guesses sit right after ``after``, whose last token is at len(committed)-1+len(after)
+        window = self.kv.ctx.n_ctx - len(self._committed) - len(after)
+        n = min(self.lookahead_len, room, window)
         if self.lookahead is None or n <= 0:
             return []
         t0 = time.perf_counter()
@@ -221,7 +233,11 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
         if depth == budget.max_depth or not frontier:
             break
-        dists = drafter.logits([tree.path(v) for v in frontier])
+        try:
+            dists = drafter.logits([tree.path(v) for v in frontier])
+        except DraftExhausted as exc:
+            log.debug("tree growth stopped at depth %d: %s", depth, exc)
+            break
     final = tree.top_nodes(budget.max_nodes)
     return _prune(tree, q, final)
 

@@ -93,10 +93,13 @@ class Engine:
         if config.mode.needs_draft and self.draft is None:
             raise ValueError(f"mode {config.mode.value!r} needs a draft model")
         budget = config.budget()
-        if budget is not None and budget.max_nodes + 1 > self.target.ctx.n_batch:
-            raise ValueError(f"a tree of {budget.max_nodes} nodes needs n_batch >= "
-                             f"{budget.max_nodes + 1}; the target context has "
-                             f"{self.target.ctx.n_batch}")
+        if budget is None:
+            return
+        ctx = self.target.ctx
+        if budget.max_nodes + 1 > min(ctx.n_batch, ctx.n_seq_max):
+            raise ValueError(f"a tree of {budget.max_nodes} nodes needs n_batch and n_seq_max "
+                             f">= {budget.max_nodes + 1}; the target context has "
+                             f"{ctx.n_batch} and {ctx.n_seq_max}")
 
     def generate(self, prompt: Sequence[int], max_new_tokens: int,
                  params: SamplingParams | None = None, stop: Collection[int] = (),

@@ -46,6 +46,11 @@ class KVTree:
         """Positions still free in the context window."""
         return self.ctx.n_ctx - len(self.tokens)
 
+    @property
+    def seqs_free(self) -> int:
+        """Sequence ids this step can still hand out (one per batch leaf)."""
+        return self.ctx.n_seq_max - self._next_seq
+
     def tip(self) -> Slot | None:
         return Slot(len(self.tokens) - 1, 0) if self.tokens else None
 

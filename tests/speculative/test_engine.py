@@ -190,3 +190,19 @@ def test_seeded_sampling_is_reproducible() -> None:
                   params=SamplingParams(temperature=0.9, top_k=6, seed=124))
     assert a == b
     assert a != c
+
+
+def test_draft_out_of_sequence_ids_stops_growing_not_generating() -> None:
+    ngram = KatzTrigram.build([[1, 2, 3, 4]], V)
+    engine = Engine(FakeContext(TARGET), FakeContext(DRAFT, n_seq_max=5), ngram,
+                    SpecConfig(mode=Mode.STAGED, tree=TreeBudget(12, 8, 3), lookahead=3))
+    run = RunStats()
+    assert _generate(engine, [1, 2], 30, run=run) == _plain([1, 2], 30)
+    assert run.tau > 1.0
+
+
+def test_tree_larger_than_the_target_batch_is_refused() -> None:
+    engine = Engine(FakeContext(TARGET, n_batch=8), FakeContext(DRAFT),
+                    config=SpecConfig(mode=Mode.TREE, tree=TreeBudget(8, 4, 2)))
+    with pytest.raises(ValueError, match="n_batch and n_seq_max >= 9"):
+        list(engine.generate([1], 5))
