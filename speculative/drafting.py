@@ -20,7 +20,13 @@ import numpy as np
 
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
-from .sampling import SamplingParams, distribution, sample_without_replacement
+from .sampling import (
+    SamplingParams,
+    distribution,
+    greedy_children,
+    sample_without_replacement,
+    top_k,
+)
 from .tree import TokenTree
 
 Path = tuple[int, ...]
@@ -227,8 +233,7 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     frontier, dists = [0], [root]
     for depth in range(1, budget.max_depth + 1):
         for u, logits in zip(frontier, dists, strict=True):
-            q[u] = distribution(logits, params)
-            _add_children(tree, u, q[u], budget.max_children, params, rng, drafter)
+            _add_children(tree, u, logits, budget.max_children, params, rng, drafter, q)
         best = tree.top_nodes(budget.max_nodes)
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
         if depth == budget.max_depth or not frontier:
@@ -242,18 +247,20 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     return _prune(tree, q, final)
 
 
-def _add_children(tree: TokenTree, u: int, q: np.ndarray, k: int, params: SamplingParams,
-                  rng: np.random.Generator, drafter: Drafter) -> None:
-    top = np.argpartition(-q, k - 1)[:k] if k < q.size else np.arange(q.size)
-    top = top[np.lexsort((top, -q[top]))]  # slot order: descending q, ties by token id
-    slot_q = q[top]
-    tokens = ([int(t) for t in top] if params.greedy
-              else sample_without_replacement(q, k, rng))
+def _add_children(tree: TokenTree, u: int, logits: np.ndarray, k: int, params: SamplingParams,
+                  rng: np.random.Generator, drafter: Drafter, q: dict[int, np.ndarray]) -> None:
+    """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
+    if params.greedy:
+        tokens, slot_q = greedy_children(logits, k)
+    else:
+        q[u] = distribution(logits, params)
+        slot_q = q[u][top_k(q[u], k)]
+        tokens = np.array(sample_without_replacement(q[u], k, rng), dtype=np.int64)
     base = tree.path(u)
-    for tok, sq in zip(tokens, slot_q, strict=False):
+    for tok, sq in zip(tokens.tolist(), slot_q.tolist(), strict=False):
         if sq <= 0.0:
             break
-        tree.add(u, tok, tree.scores[u] * float(sq), drafter.origin((*base, tok)))
+        tree.add(u, tok, tree.scores[u] * sq, drafter.origin((*base, tok)))
 
 
 def _by_score(tree: TokenTree, nodes: set[int]) -> list[int]:
