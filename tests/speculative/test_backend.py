@@ -23,8 +23,8 @@ from speculative.loading import open_pair
 
 @pytest.fixture
 def ctx(tiny_models):
-    with LlamaModel(tiny_models["q8_0-target"]) as model, \
-            LlamaContext(model, ContextConfig(n_ctx=128, n_batch=16, n_seq_max=8)) as c:
+    config = ContextConfig(n_threads=1, n_ctx=128, n_batch=16, n_seq_max=8)
+    with LlamaModel(tiny_models["q8_0-target"]) as model, LlamaContext(model, config) as c:
         yield c
 
 
@@ -54,7 +54,7 @@ def test_commit_keeps_only_the_accepted_path(ctx) -> None:
     assert all(ctx.seq_pos_max(s) == -1 for s in range(1, 8))
     # the cache now continues exactly like a fresh decode of the same text
     _, out = kv.decode([5], [COMMIT])
-    ctx2 = LlamaContext(ctx.model, ContextConfig(n_ctx=128, n_batch=16, n_seq_max=1))
+    ctx2 = LlamaContext(ctx.model, ContextConfig(n_threads=1, n_ctx=128, n_batch=16, n_seq_max=1))
     ref = ctx2.decode([1, 2, 3, 10, 11, 5], list(range(6)), [[0]] * 6)[-1]
     ctx2.close()
     assert np.abs(out[-1] - ref).max() < 1e-3
@@ -121,7 +121,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path: Path, tiny_models, v
     cfg = Gpt2Config(n_ctx=128, n_embd=64, n_layer=1, n_head=2)
     draft = random_gpt2(tmp_path / "other.gguf", cfg, vocab=other, ftype="f16")
     with pytest.raises(IncompatibleModels, match="token 100"):
-        open_pair(tiny_models["q8_0-target"], draft, ContextConfig(n_ctx=128))
+        open_pair(tiny_models["q8_0-target"], draft, ContextConfig(n_threads=1, n_ctx=128))
     # and the target is still usable afterwards
-    with open_pair(tiny_models["q8_0-target"], None, ContextConfig(n_ctx=128)) as pair:
+    with open_pair(tiny_models["q8_0-target"], None, ContextConfig(n_threads=1, n_ctx=128)) as pair:
         assert pair.target.vocab.tokenize("hello") == [31373]

@@ -63,7 +63,7 @@ def corpus_ngram() -> KatzTrigram:
 
 @pytest.mark.parametrize("ftype", ["f16", "q8_0"])
 def test_every_mode_matches_plain_greedy_decoding(tiny_models, corpus_ngram, ftype) -> None:
-    config = ContextConfig(n_ctx=256, n_batch=64, n_seq_max=256)
+    config = ContextConfig(n_threads=1, n_ctx=256, n_batch=64, n_seq_max=256)
     with open_pair(tiny_models[f"{ftype}-target"], tiny_models[f"{ftype}-draft"], config) as pair:
         vocab = pair.target.vocab
         prompts = [vocab.tokenize(p) for p in PROMPTS]
@@ -92,7 +92,7 @@ def test_every_mode_matches_plain_greedy_decoding(tiny_models, corpus_ngram, fty
 def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
     """After many accept/reject rounds, the target's KV cache gives the same next-token logits
     as a fresh context decoding the whole text."""
-    config = ContextConfig(n_ctx=256, n_batch=64, n_seq_max=256)
+    config = ContextConfig(n_threads=1, n_ctx=256, n_batch=64, n_seq_max=256)
     path_t, path_d = tiny_models["q8_0-target"], tiny_models["q8_0-draft"]
     with open_pair(path_t, path_d, config) as pair:
         engine = Engine(pair.target_ctx, pair.draft_ctx, corpus_ngram,
@@ -109,7 +109,8 @@ def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
         assert kv.tokens == text[: len(kv.tokens)]
         pending = text[len(kv.tokens):]
         _, logits = kv.decode(pending, [None] * len(pending))
-        fresh = LlamaContext(pair.target, ContextConfig(n_ctx=256, n_batch=256, n_seq_max=1))
+        scratch_config = ContextConfig(n_threads=1, n_ctx=256, n_batch=256, n_seq_max=1)
+        fresh = LlamaContext(pair.target, scratch_config)
         scratch = fresh.decode(text, list(range(len(text))), [[0]] * len(text),
                                [False] * (len(text) - 1) + [True])
         assert np.abs(logits[-1] - scratch[-1]).max() < 1e-2
