@@ -30,7 +30,7 @@ closer than this: batched and one-token decoding sum in different orders (float 
 F16 here), which can flip an exact near-tie. Measured gaps at the divergences seen were < 0.01."""
 
 CASES = [
-    (Mode.CHAIN, TreeBudget()), (Mode.TREE, TreeBudget(4, 3, 2)),
+    (Mode.PLAIN, TreeBudget()), (Mode.CHAIN, TreeBudget()), (Mode.TREE, TreeBudget(4, 3, 2)),
     (Mode.TREE, TreeBudget(16, 6, 4)), (Mode.TREE, TreeBudget(32, 10, 3)),
     (Mode.STAGED, TreeBudget(8, 5, 3)), (Mode.STAGED, TreeBudget(24, 8, 4)),
     (Mode.NGRAM, TreeBudget(6, 4, 2)),
