@@ -14,6 +14,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from app.bench import add_arguments as add_bench_arguments
+from app.bench import bench
 from models.paths import builtin_path, require_builtin
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
@@ -40,33 +42,45 @@ def _modes(text: str) -> list[Mode]:
 _BUDGET, _SPEC = TreeBudget(), SpecConfig()
 
 
+def _common() -> argparse.ArgumentParser:
+    """Options shared by ``generate`` and ``bench``: models, mode, sampling, tree budget."""
+    common = argparse.ArgumentParser(add_help=False)
+    common.add_argument("--target", type=Path, help="target GGUF (default: the built-in one)")
+    common.add_argument("--draft", type=Path, help="draft GGUF (default: the built-in one)")
+    common.add_argument("--ngram", type=Path, help="n-gram model .npz (default: built-in)")
+    common.add_argument("-n", "--max-tokens", type=int, default=200)
+    common.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
+    common.add_argument("--top-k", type=int, default=0)
+    common.add_argument("--top-p", type=float, default=1.0)
+    common.add_argument("--seed", type=int, default=0)
+    common.add_argument("--max-nodes", type=int, default=_BUDGET.max_nodes)
+    common.add_argument("--max-depth", type=int, default=_BUDGET.max_depth)
+    common.add_argument("--max-children", type=int, default=_BUDGET.max_children)
+    common.add_argument("--chain-length", type=int, default=_SPEC.chain_length)
+    common.add_argument("--lookahead", type=int, default=_SPEC.lookahead)
+    common.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
+    common.add_argument("--threads", type=int, default=0, help="0 = all cores")
+    common.add_argument("--flash-attn", action="store_true")
+    common.add_argument("--json", action="store_true", help="print JSON instead")
+    return common
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="staged-chat", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
     sub = parser.add_subparsers(dest="command")
-    gen = sub.add_parser("generate", help="generate text from a prompt")
-    gen.add_argument("--target", type=Path, help="target GGUF (default: the built-in target)")
-    gen.add_argument("--draft", type=Path, help="draft GGUF (default: the built-in draft)")
-    gen.add_argument("--ngram", type=Path, help="n-gram model .npz (default: the built-in one)")
+    common = _common()
+    gen = sub.add_parser("generate", parents=[common], help="generate text from a prompt")
     gen.add_argument("--mode", type=_modes, default=[Mode.STAGED],
                      help="plain, chain, tree, staged, ngram; a comma list or 'all' compares them")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n")
     src.add_argument("--prompt-file", type=Path)
-    gen.add_argument("-n", "--max-tokens", type=int, default=200)
-    gen.add_argument("--temp", type=float, default=0.0, help="0 = greedy (default)")
-    gen.add_argument("--top-k", type=int, default=0)
-    gen.add_argument("--top-p", type=float, default=1.0)
-    gen.add_argument("--seed", type=int, default=0)
-    gen.add_argument("--max-nodes", type=int, default=_BUDGET.max_nodes)
-    gen.add_argument("--max-depth", type=int, default=_BUDGET.max_depth)
-    gen.add_argument("--max-children", type=int, default=_BUDGET.max_children)
-    gen.add_argument("--chain-length", type=int, default=_SPEC.chain_length)
-    gen.add_argument("--lookahead", type=int, default=_SPEC.lookahead)
-    gen.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
-    gen.add_argument("--threads", type=int, default=0, help="0 = all cores")
-    gen.add_argument("--flash-attn", action="store_true")
-    gen.add_argument("--json", action="store_true", help="print a JSON summary instead")
+    bench = sub.add_parser("bench", parents=[common],
+                           help="every mode on a set of prompts, speedups vs plain")
+    bench.add_argument("--mode", type=_modes, default=list(Mode),
+                       help="modes to compare with plain (default: all)")
+    add_bench_arguments(bench)
     return parser
 
 
@@ -75,7 +89,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command != "generate":
+    if args.command not in ("generate", "bench"):
         parser.print_help()
         return 0
     try:
@@ -104,6 +118,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
                            n_threads=args.threads, flash_attn=args.flash_attn)
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
+    if args.command == "bench":
+        return bench(args, target, draft, ngram_path, spec, config, params, out)
     with open_pair(target, draft, config) as pair:
         vocab = pair.target.vocab
         text = (args.prompt_file.read_text("utf-8") if args.prompt_file else args.prompt)
