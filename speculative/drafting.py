@@ -93,6 +93,7 @@ class ModelDrafter:
         self._committed: list[int] = []
         self._cache: dict[Path, tuple[Slot, np.ndarray]] = {}  # decoded nodes of this step
         self._guessed: set[Path] = set()  # nodes first decoded as n-gram guesses
+        self._t_guess = 0.0  # seconds of the last guess (kept out of the draft's time)
 
     def begin(self, committed: Sequence[int]) -> np.ndarray:
         self.counters = DraftCounters()
@@ -171,8 +172,6 @@ class ModelDrafter:
             depth -= 1  # the deepest accepted node the draft has decoded (the root at worst)
         self.kv.commit(self._cache[accepted[:depth]][0], list(accepted[:depth]))
         self._cache.clear()
-
-    _t_guess: float = 0.0
 
 
 class NgramDrafter:
