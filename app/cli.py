@@ -16,7 +16,7 @@ from typing import Any, TextIO
 
 from app.bench import add_arguments as add_bench_arguments
 from app.bench import bench
-from models.paths import builtin_path, require_builtin
+from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
 from speculative.engine import Engine, Mode, SpecConfig
@@ -95,6 +95,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     try:
         return generate(args, sys.stdout)
     except (LlamaError, IncompatibleModels, ContextOverflow, ValueError, OSError) as exc:
+        # OSError covers missing files, including a missing built-in model
         print(f"staged-chat: error: {exc}", file=sys.stderr)
         return 2
     except KeyboardInterrupt:
@@ -103,11 +104,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
-    target = args.target or require_builtin("target")
+    """The models to run: those given, else the built-in pair and n-gram model."""
     needs_draft = any(m.needs_draft for m in args.mode)
-    draft = args.draft or (require_builtin("draft") if needs_draft else None)
-    ngram = args.ngram or builtin_path("ngram")
-    return target, draft, ngram if ngram is not None and ngram.exists() else None
+    if args.target is None or (needs_draft and args.draft is None):
+        builtin_target, builtin_draft = builtin_pair()
+    target = args.target or builtin_target
+    draft = args.draft or (builtin_draft if needs_draft else None)
+    ngram = args.ngram or (BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None)
+    return target, draft, ngram
 
 
 def generate(args: argparse.Namespace, out: TextIO) -> int:

@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 CATALOG_PATH = Path(__file__).resolve().parent / "catalog.json"
+BUILTIN_NGRAM = Path(__file__).resolve().parent / "builtin" / "ngram.npz"
+"""The stage-2 n-gram model for the built-in pair (``python -m models.build_ngram``)."""
 
 _SHA256 = re.compile(r"[0-9a-f]{64}")
 _FORMAT = 1
@@ -171,3 +173,10 @@ def _check_references(catalog: Catalog) -> None:
             raise CatalogError(f"pair '{pair.id}': target and draft are the same model")
     if catalog.default_pair not in pair_ids:
         raise CatalogError(f"default_pair '{catalog.default_pair}' is not a catalog pair")
+
+
+def builtin_pair() -> tuple[Path, Path]:
+    """Paths of the catalog's default (built-in) target and draft; raises if either is missing."""
+    catalog = load_catalog()
+    target, draft = catalog.pair_models(catalog.default_pair)
+    return target.require_local(), draft.require_local()
