@@ -93,13 +93,14 @@ def summarize(runs: dict[Mode, list[RunStats]], same: dict[Mode, int] | None,
 
 def format_report(report: dict[str, Any], pair_names: tuple[str, str], n_prompts: int,
                   repeats: int) -> str:
-    head = (f"{'mode':<8}{'tokens':>8}{'passes':>8}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
+    head = (f"{'mode':<8}{'tokens':>8}{'passes':>8}{'tree':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
             f"{'draft calls/pass':>18}{'stage-2 hits':>14}  same as plain")
     lines = [f"target {pair_names[0]}, draft {pair_names[1]}; {n_prompts} prompts x {repeats}",
              head, "-" * len(head)]
     for mode, s in report.items():
         same = s.get("identical_to_plain", "-")
-        lines.append(f"{mode:<8}{s['tokens']:>8}{s['target_passes']:>8}{s['tau']:>7.2f}"
+        lines.append(f"{mode:<8}{s['tokens']:>8}{s['target_passes']:>8}{s['mean_drafted']:>6.1f}"
+                     f"{s['tau']:>7.2f}"
                      f"{s['tokens_per_second']:>9.1f}{s['speedup_vs_plain']:>8.2f}x"
                      f"{s['draft_calls_per_step']:>18.2f}{s['stage2_hit_rate']:>14.2f}  {same}")
     return "\n".join(lines)

@@ -58,6 +58,9 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--max-children", type=int, default=_BUDGET.max_children)
     common.add_argument("--chain-length", type=int, default=_SPEC.chain_length)
     common.add_argument("--lookahead", type=int, default=_SPEC.lookahead)
+    common.add_argument("--fixed-size", action="store_true",
+                        help="always verify --max-nodes nodes (default: size each tree by the "
+                             "measured cost of verifying it)")
     common.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
     common.add_argument("--threads", type=int, default=0, help="0 = all cores")
     common.add_argument("--flash-attn", action="store_true")
@@ -117,7 +120,8 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     target, draft, ngram_path = _resolve(args)
     budget = TreeBudget(args.max_nodes, args.max_depth, args.max_children)
-    spec = SpecConfig(tree=budget, chain_length=args.chain_length, lookahead=args.lookahead)
+    spec = SpecConfig(tree=budget, chain_length=args.chain_length, lookahead=args.lookahead,
+                      adaptive=not args.fixed_size)
     batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
                            n_threads=args.threads, flash_attn=args.flash_attn)
@@ -191,8 +195,8 @@ def format_stats(s: dict[str, Any]) -> str:
         f"--- {s['mode']}: {s['tokens']} tokens in {s['target_passes']} target passes, "
         f"{s['seconds']:.2f} s ({s['tokens_per_second']:.1f} tokens/s), "
         f"prefill {t['prefill'] * 1000:.0f} ms",
-        f"tau (tokens per target pass) {s['tau']:.2f}; mean accepted {s['mean_accepted']:.2f}; "
-        f"accepted/drafted nodes {s['node_acceptance']:.2f}",
+        f"tau (tokens per target pass) {s['tau']:.2f}; mean accepted {s['mean_accepted']:.2f} "
+        f"of {s['mean_drafted']:.1f} drafted; accepted/drafted {s['node_acceptance']:.2f}",
         f"acceptance by depth: {depth}",
         f"tokens from draft {o['draft']}, n-gram {o['ngram']}, target {o['target']}; "
         f"draft calls per pass {s['draft_calls_per_step']:.2f}; "

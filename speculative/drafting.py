@@ -212,6 +212,16 @@ class DraftTree:
     tree: TokenTree
     q: dict[int, np.ndarray]  # node -> the draft distribution its children were drawn from
 
+    def scores(self) -> list[float]:
+        """Node scores (draft path probabilities), best first, root excluded."""
+        return sorted(self.tree.scores[1:], reverse=True)
+
+    def best(self, n: int) -> DraftTree:
+        """The tree cut down to its ``n`` best nodes (still a tree: see ``top_nodes``)."""
+        if n >= len(self.tree) - 1:
+            return self
+        return _prune(self.tree, self.q, self.tree.top_nodes(n))
+
 
 def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
               params: SamplingParams, rng: np.random.Generator) -> DraftTree:

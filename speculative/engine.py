@@ -16,6 +16,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
+from .costmodel import Calibration, VerifyCost, best_size, measure_verify_cost
 from .drafting import (
     DraftCounters,
     Drafter,
@@ -55,6 +56,7 @@ class SpecConfig:
     tree: TreeBudget = dataclasses.field(default_factory=TreeBudget)  # tree, staged, ngram
     chain_length: int = 4            # chain mode: draft tokens per target pass
     lookahead: int = 4               # stage 2: n-gram tokens decoded ahead in each draft batch
+    adaptive: bool = True            # size each tree by measured verify cost (see costmodel)
 
     def budget(self) -> TreeBudget | None:
         if self.mode is Mode.PLAIN:
@@ -88,6 +90,9 @@ class Engine:
         self.ngram = ngram if ngram is not None else KatzTrigram.build([], target.n_vocab)
         self._ngram_fed: list[int] = []
         self.config = config if config is not None else SpecConfig()
+        self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
+        self._calibration = Calibration()
+        self._previous: tuple[list[float], float] = ([], 0.0)  # last step's scores, draft time
 
     def check(self, config: SpecConfig) -> None:
         if config.mode.needs_draft and self.draft is None:
@@ -112,6 +117,8 @@ class Engine:
         run = run if run is not None else RunStats()
         run.mode, run.prompt_tokens = self.config.mode.value, len(committed)
         rng = np.random.default_rng(params.seed)
+        if self.config.adaptive and self.config.mode is not Mode.PLAIN:
+            self.measure_cost()
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self.draft is not None and self.config.mode.needs_draft:
@@ -139,6 +146,18 @@ class Engine:
             if finish is not None:
                 return
 
+    def measure_cost(self, force: bool = False) -> VerifyCost:
+        """Time the target's verification of 1..max_nodes+1 tokens (once; clears its cache)."""
+        budget = self.config.budget() or TreeBudget()
+        if self.verify_cost is None or force:
+            n = min(max(budget.max_nodes, self.config.chain_length, 16) + 1,
+                    self.target.ctx.n_batch)
+            self.verify_cost = measure_verify_cost(self.target.ctx, n)
+            self.target.tokens.clear()
+            log.info("verify cost (ms): %s", dict(zip(self.verify_cost.sizes, [
+                round(t * 1000, 2) for t in self.verify_cost.seconds], strict=True)))
+        return self.verify_cost
+
     def _n_ctx(self) -> int:
         """The usable window: the smaller context, if a draft runs beside the target."""
         if self.draft is not None and self.config.mode.needs_draft:
@@ -156,6 +175,8 @@ class Engine:
                 draft = DraftTree(TokenTree.rooted(committed[-1]), {})
             else:
                 draft = grow_tree(drafter, committed, budget, params, rng)
+                if config.adaptive and self.verify_cost is not None:
+                    draft = self._right_size(draft, drafter, params)
             t1 = time.perf_counter()
             verdict, slots = self._verify(committed, draft, params, rng)
         except BaseException:
@@ -170,6 +191,7 @@ class Engine:
         self.target.commit(slots[last], accepted)
         if drafter is not None:
             drafter.commit(tuple(accepted))
+            self._calibration.add(len(accepted), sum(tree.scores[1:]))
         counters = drafter.counters if drafter is not None else DraftCounters()
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         t3 = time.perf_counter()
@@ -180,6 +202,21 @@ class Engine:
             t_draft=counters.t_draft, t_stage2=counters.t_stage2, t_verify=t2 - t1,
             t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
         return [*accepted, verdict.next_token], origins, stats
+
+    def _right_size(self, draft: DraftTree, drafter: Drafter, params: SamplingParams
+                    ) -> DraftTree:
+        """Cut the tree to the size that maximises expected tokens per second (costmodel)."""
+        assert self.verify_cost is not None
+        scores = draft.scores()
+        t_draft = drafter.counters.t_draft + drafter.counters.t_stage2
+        # greedy: this step's own scores; sampling: the last step's (independent of this
+        # step's draws, which keeps the verified tree's shape free of them)
+        basis, t_basis = (scores, t_draft) if params.greedy else self._previous
+        self._previous = (scores, t_draft)
+        if not basis:
+            return draft
+        n = best_size(basis, self.verify_cost, t_basis, self._calibration.factor)
+        return draft.best(max(n, 1))
 
     def _drafter(self, config: SpecConfig) -> Drafter | None:
         if config.mode is Mode.PLAIN:

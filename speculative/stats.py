@@ -60,6 +60,11 @@ class RunStats:
         return sum(s.accepted for s in self.steps) / len(self.steps) if self.steps else 0.0
 
     @property
+    def mean_drafted(self) -> float:
+        """Mean tree size verified per step (drafted nodes, root excluded)."""
+        return sum(s.drafted for s in self.steps) / len(self.steps) if self.steps else 0.0
+
+    @property
     def node_acceptance(self) -> float:
         """Accepted / drafted nodes. A tree drafts several candidates per depth and at most one
         per depth can be accepted, so this is the tree's *efficiency*, not its hit rate."""
@@ -111,6 +116,7 @@ class RunStats:
             "target_passes": len(self.steps),
             "tau": self.tau,
             "mean_accepted": self.mean_accepted,
+            "mean_drafted": self.mean_drafted,
             "node_acceptance": self.node_acceptance,
             "depth_acceptance": self.depth_acceptance(),
             "origins": self.origins(),

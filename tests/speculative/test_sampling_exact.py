@@ -12,6 +12,7 @@ from collections.abc import Sequence
 import numpy as np
 import pytest
 
+from speculative.costmodel import VerifyCost, best_size
 from speculative.drafting import DraftCounters, TreeBudget, grow_tree
 from speculative.engine import Engine, Mode, SpecConfig
 from speculative.ngram import KatzTrigram
@@ -55,10 +56,16 @@ def exact_joint(params: SamplingParams) -> np.ndarray:
 
 
 def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams,
-               rng: np.random.Generator) -> tuple[int, int]:
+               rng: np.random.Generator, sizing: dict | None = None) -> tuple[int, int]:
+    """Two tokens by tree speculative sampling. With ``sizing``, each tree is cut to the size
+    ``best_size`` picks from the *previous* tree's scores, as the engine does when sampling."""
     committed, out = list(PROMPT), []
     while len(out) < 2:
         draft = grow_tree(drafter, committed, budget, params, rng)
+        if sizing is not None:
+            previous, sizing["previous"] = sizing.get("previous"), draft.scores()
+            if previous:
+                draft = draft.best(max(1, best_size(previous, sizing["cost"], 0.0, 1.0)))
         tree = draft.tree
         logits = np.array([table_logits(TARGET, [*committed, *tree.path(i)])
                            for i in range(len(tree))])
@@ -107,6 +114,20 @@ def test_tree_sampling_preserves_the_target_distribution(case) -> None:
     counts = np.zeros((V, V), dtype=np.int64)
     for _ in range(100_000):
         a, b = sample_two(drafter, budget, params, rng)
+        counts[a, b] += 1
+    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+def test_trees_sized_by_the_cost_model_stay_exact() -> None:
+    params = SamplingParams(temperature=1.0, top_k=6)
+    drafter = TableDrafter(noisy(TARGET, seed=7, noise=1.0).astype(np.float32))
+    rng = np.random.default_rng(99)
+    # a cost curve that makes the chosen size vary between 1 and the whole tree
+    sizing = {"cost": VerifyCost((1, 2, 4, 8), (1.0, 1.25, 1.6, 2.6))}
+    counts = np.zeros((V, V), dtype=np.int64)
+    for _ in range(100_000):
+        a, b = sample_two(drafter, TreeBudget(6, 2, 3), params, rng, sizing)
         counts[a, b] += 1
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"

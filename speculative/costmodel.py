@@ -1,0 +1,99 @@
+"""How big a tree to verify: measured verification cost against expected accepted tokens.
+
+Verifying n tokens in one target pass costs ``cost(n)``, which depends on the hardware (on a
+2-core CPU a second token can cost as much as the first; on a GPU 16 cost little more than 1).
+A tree of N drafted nodes is expected to yield ``1 + c * sum(top-N scores)`` tokens, where a node's
+score is the draft's probability of its path and ``c`` calibrates the draft's confidence against
+what the target actually accepted so far. The best N maximises tokens per second:
+
+    N* = argmax_N (1 + c * S_N) / (t_draft + cost(N + 1))
+
+Exactness: greedy verification is exact for any tree, so greedy steps choose N from their own
+scores. A sampled step must not choose its shape from its own drawn tokens (that would bias
+which draws get verified), so it uses the previous step's scores, drawn independently.
+"""
+
+from __future__ import annotations
+
+import bisect
+import dataclasses
+import time
+from collections.abc import Sequence
+
+import numpy as np
+
+from .protocols import Context
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class VerifyCost:
+    """Seconds to decode n tokens after a prefix, measured at a few n, interpolated between."""
+
+    sizes: tuple[int, ...]
+    seconds: tuple[float, ...]
+
+    def __call__(self, n: int) -> float:
+        i = bisect.bisect_left(self.sizes, n)
+        if i < len(self.sizes) and self.sizes[i] == n:
+            return self.seconds[i]
+        if i == 0:
+            return self.seconds[0]
+        if i == len(self.sizes):  # beyond the table: extend the last slope
+            (a, b), (ta, tb) = self.sizes[-2:], self.seconds[-2:]
+            return tb + (n - b) * (tb - ta) / (b - a)
+        a, b = self.sizes[i - 1], self.sizes[i]
+        ta, tb = self.seconds[i - 1], self.seconds[i]
+        return ta + (n - a) * (tb - ta) / (b - a)
+
+
+def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
+                        repeats: int = 3) -> VerifyCost:
+    """Time one-batch decodes of 1, 2, 4, ... ``max_tokens`` tokens after ``prefix`` tokens
+    (medians of ``repeats``). Leaves the context empty."""
+    sizes = sorted({*(2 ** k for k in range(max_tokens.bit_length())), max_tokens})
+    sizes = [n for n in sizes if 1 <= n <= min(max_tokens, ctx.n_batch, ctx.n_ctx - 1)]
+    prefix = max(1, min(prefix, ctx.n_ctx - sizes[-1], ctx.n_batch))
+    ctx.clear()
+    ctx.decode([0] * prefix, list(range(prefix)), [[0]] * prefix, False)
+    seconds = []
+    for n in sizes:
+        times = []
+        for _ in range(repeats + 1):  # the first decode of a new shape builds its graph
+            ctx.seq_rm(0, prefix, -1)
+            t0 = time.perf_counter()
+            ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
+            times.append(time.perf_counter() - t0)
+        seconds.append(float(np.median(times[1:])))
+    ctx.clear()
+    return VerifyCost(tuple(sizes), tuple(seconds))
+
+
+def best_size(scores: Sequence[float], cost: VerifyCost, t_draft: float,
+              calibration: float) -> int:
+    """N* for node scores sorted best first (see the module docstring); 0 means plain."""
+    best_n, best_rate, total = 0, 1.0 / (t_draft + cost(1)), 0.0
+    for n, s in enumerate(scores, start=1):
+        total += s
+        rate = (1.0 + calibration * total) / (t_draft + cost(n + 1))
+        if rate > best_rate:
+            best_n, best_rate = n, rate
+    return best_n
+
+
+@dataclasses.dataclass(slots=True)
+class Calibration:
+    """c: accepted tokens / summed scores of the verified trees, averaged over recent steps."""
+
+    accepted: float = 0.0
+    predicted: float = 0.0
+    decay: float = 0.9  # recent steps weigh more: the text's difficulty drifts
+
+    @property
+    def factor(self) -> float:
+        if self.predicted <= 0.0:
+            return 1.0
+        return min(2.0, max(0.05, self.accepted / self.predicted))
+
+    def add(self, accepted: int, predicted: float) -> None:
+        self.accepted = self.decay * self.accepted + accepted
+        self.predicted = self.decay * self.predicted + predicted

@@ -1,0 +1,43 @@
+"""Choosing the tree size from measured verification cost."""
+
+from __future__ import annotations
+
+import pytest
+
+from speculative.costmodel import Calibration, VerifyCost, best_size, measure_verify_cost
+from tests.fakes import FakeContext, logit_table
+
+
+def test_cost_interpolates_and_extrapolates() -> None:
+    cost = VerifyCost((1, 2, 4), (1.0, 2.0, 3.0))
+    assert cost(1) == 1.0 and cost(3) == 2.5 and cost(4) == 3.0
+    assert cost(6) == pytest.approx(4.0)  # the last slope, 0.5 per token
+    assert cost(0) == 1.0
+
+
+def test_best_size_follows_the_hardware() -> None:
+    scores = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05]
+    flat = VerifyCost((1, 8), (1.0, 1.0))  # a GPU-like cost: more nodes are free
+    steep = VerifyCost((1, 2, 8), (1.0, 3.0, 9.0))  # a second token costs two
+    assert best_size(scores, flat, 0.0, 1.0) == len(scores)
+    assert best_size(scores, steep, 0.0, 1.0) == 0
+    linear = VerifyCost((1, 8), (1.0, 1.7))  # 0.1 per extra token: stop where score < ~0.1
+    n = best_size(scores, linear, 0.0, 1.0)
+    assert 3 <= n <= 5
+    assert best_size(scores, linear, 0.0, 0.1) < n  # a draft that over-promises gets less
+
+
+def test_calibration_tracks_accepted_over_predicted() -> None:
+    cal = Calibration()
+    assert cal.factor == 1.0
+    for _ in range(50):
+        cal.add(accepted=1, predicted=4.0)
+    assert cal.factor == pytest.approx(0.25)
+
+
+def test_measure_leaves_the_context_empty() -> None:
+    ctx = FakeContext(logit_table(5, seed=0), n_ctx=40, n_batch=16)
+    cost = measure_verify_cost(ctx, 13, repeats=1)
+    assert cost.sizes == (1, 2, 4, 8, 13)
+    assert all(t > 0 for t in cost.seconds)
+    assert ctx.cells == []
