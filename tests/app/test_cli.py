@@ -70,3 +70,14 @@ def test_bad_budget_is_a_clear_error(tiny_models, capsys, flag) -> None:
     code, _, err = _run(capsys, "generate", "--target", str(tiny_models["q8_0-target"]),
                         "--draft", str(tiny_models["q8_0-draft"]), flag, "0")
     assert code == 2 and ">= 1" in err
+
+
+def test_builtin_models_run_without_model_arguments(capsys) -> None:
+    """The README's first command: no --target/--draft/--ngram, the committed built-in pair."""
+    code, out, _ = _run(capsys, "generate", "--mode", "plain,staged", "-n", "24", "--json",
+                        "--prompt", "def read_lines(path):\n")
+    assert code == 0
+    runs = {r["mode"]: r for r in json.loads(out)["runs"]}
+    assert runs["staged"]["identical_to_plain"] is True
+    assert len(runs["staged"]["tokens"]) == 24
+    assert runs["staged"]["stats"]["target_passes"] < 24  # the trained draft is accepted

@@ -1,0 +1,418 @@
+"""Train the built-in GPT-2 pair from scratch on the stdlib corpus and export it to GGUF.
+
+    python -m models.train --which target --out models/builtin/target-q8_0.gguf --minutes 40
+
+The model is GPT-2 as llama.cpp's ``gpt2`` graph computes it: pre-LN blocks, GELU (tanh
+approximation), learned position embeddings, tied input/output embeddings, biases in every
+linear layer and LayerNorm, eps 1e-5. The embedding table trained in torch is compacted to the
+tokens the corpus uses (see ``Gpt2``); the exported GGUF has all 50257 rows and computes the same
+softmax. Training uses bf16 autocast on the CPU, AdamW and a cosine schedule with linear warmup.
+A run is deterministic given the seed and the step count; with
+``--minutes`` the step count is fitted to the budget from the measured speed of the first steps
+and written to the metrics, so ``--steps N`` reproduces it. The GGUF file is cross-checked
+against the torch model through llama.cpp before the metrics are written beside it (``.json``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import json
+import logging
+import math
+import os
+import platform
+import sys
+import tempfile
+import time
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+
+import numpy as np
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from models.corpus import load_corpus
+from models.gguf_writer import Gpt2Config, Vocab, read_vocab, write_gpt2_gguf
+
+log = logging.getLogger(__name__)
+
+MODELS = {
+    # Head size 64 throughout. The 50257-token output layer costs 2 * d * 50257 FLOPs per token,
+    # more than all of the target's blocks together, so six layers cost only ~10% more than four.
+    "target": Gpt2Config(n_ctx=512, n_embd=256, n_layer=6, n_head=4),
+    # 2 x 198k non-embedding parameters against the target's 6 x 790k: 11.9x fewer.
+    "draft": Gpt2Config(n_ctx=512, n_embd=128, n_layer=2, n_head=2),
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class TrainConfig:
+    steps: int = 0               # 0: fit the step count to `minutes` (or derive it from `tokens`)
+    minutes: float = 0.0
+    tokens: int = 0
+    batch_size: int = 8          # sequences of n_ctx tokens per step: 4096 tokens
+    lr: float = 2e-3             # small models tolerate (and need, in few steps) a high rate
+    min_lr_ratio: float = 0.1    # cosine decays to lr * this
+    warmup: int = 100            # steps; the step count is fitted during them (see `_fit_steps`)
+    weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
+    betas: tuple[float, float] = (0.9, 0.95)
+    grad_clip: float = 1.0
+    seed: int = 0
+    compile: bool = True         # torch.compile (inductor, C++): 1.4x (target), 3x (draft) here
+    eval_every: int = 250        # steps between quick validation losses in the log
+    # 0: every core this process may use. On a shared 2-core machine 1 thread can be 2x faster:
+    # OpenMP threads spin at barriers while a core is busy elsewhere (or OMP_WAIT_POLICY=PASSIVE).
+    threads: int = 0
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: Gpt2Config) -> None:
+        super().__init__()
+        d, eps = cfg.n_embd, cfg.layer_norm_eps
+        self.n_head = cfg.n_head
+        self.attn_norm = nn.LayerNorm(d, eps=eps)
+        self.attn_qkv = nn.Linear(d, 3 * d)      # rows: all of q, then k, then v (llama.cpp)
+        self.attn_output = nn.Linear(d, d)
+        self.ffn_norm = nn.LayerNorm(d, eps=eps)
+        self.ffn_up = nn.Linear(d, cfg.ff)
+        self.ffn_down = nn.Linear(cfg.ff, d)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        b, t, d = x.shape
+        q, k, v = self.attn_qkv(self.attn_norm(x)).split(d, dim=2)
+        # (B, T, d) -> (B, nh, T, hs): head h is columns h*hs..(h+1)*hs, as ggml reshapes them
+        q, k, v = (z.view(b, t, self.n_head, d // self.n_head).transpose(1, 2) for z in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.attn_output(y.transpose(1, 2).reshape(b, t, d))
+        return x + self.ffn_down(F.gelu(self.ffn_up(self.ffn_norm(x)), approximate="tanh"))
+
+
+class Gpt2(nn.Module):
+    """GPT-2 whose embedding table holds only the tokens seen in training, plus one shared row.
+
+    The corpus uses ~18k of GPT-2's 50257 tokens, and the output layer is most of the cost, so
+    the table holds one row per ``seen`` token and, if any are left, one row shared by all the
+    others. Exported, every unseen token gets the shared row (``gguf_weights``); to make the
+    training softmax *equal* to the exported full-vocabulary one, the shared row's logit is
+    offset by log(number of unseen tokens): that many identical logits add exactly that much
+    to the partition function. Inputs and targets are token ids; ``row_of`` maps them to rows.
+    """
+
+    def __init__(self, cfg: Gpt2Config, seen: np.ndarray | None = None) -> None:
+        super().__init__()
+        self.cfg = cfg
+        seen = np.arange(cfg.n_vocab) if seen is None else np.unique(seen)
+        n_unseen = cfg.n_vocab - len(seen)
+        row_of = np.full(cfg.n_vocab, len(seen), np.int64)
+        row_of[seen] = np.arange(len(seen))
+        offset = np.zeros(len(seen) + (n_unseen > 0), np.float32)
+        offset[len(seen):] = math.log(max(n_unseen, 1))  # log of how many tokens the row stands for
+        self.register_buffer("row_of", torch.from_numpy(row_of))
+        self.register_buffer("row_offset", torch.from_numpy(offset))
+        self.token_embd = nn.Embedding(len(offset), cfg.n_embd)  # also the output layer (tied)
+        self.position_embd = nn.Embedding(cfg.n_ctx, cfg.n_embd)
+        self.blocks = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer))
+        self.output_norm = nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_eps)
+        self._init_weights()
+
+    def _init_weights(self) -> None:
+        # GPT-2's init: N(0, 0.02), residual projections scaled by 1/sqrt(2 * n_layer) so the
+        # residual stream's variance does not grow with depth; biases zero.
+        for name, p in self.named_parameters():
+            if "norm" in name:
+                continue  # LayerNorm keeps weight 1, bias 0
+            if name.endswith(".bias"):
+                nn.init.zeros_(p)
+            else:
+                std = 0.02 / math.sqrt(2 * self.cfg.n_layer) if name.endswith(
+                    ("attn_output.weight", "ffn_down.weight")) else 0.02
+                nn.init.normal_(p, 0.0, std)
+
+    def _hidden(self, idx: torch.Tensor) -> torch.Tensor:
+        t = idx.shape[1]
+        x = self.token_embd(self.row_of[idx]) + self.position_embd(
+            torch.arange(t, device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.output_norm(x)  # (B, T, d)
+
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss (nats) of the full-vocabulary model; ``idx``, ``targets`` (B, T)."""
+        logits = F.linear(self._hidden(idx), self.token_embd.weight) + self.row_offset
+        rows = self.row_of[targets].reshape(-1)
+        # -log p(token) = CE over rows + the row's offset (the shared row's logit was raised by
+        # log n_unseen, but the token is only one of those n_unseen)
+        return (F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows)
+                + self.row_offset[rows].mean())
+
+    def logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``(B, T, n_vocab)``, what llama.cpp computes from the GGUF."""
+        return F.linear(self._hidden(idx), self.token_embd.weight)[..., self.row_of]
+
+
+def param_counts(model: Gpt2) -> dict[str, int]:
+    """Parameters of the exported model: embedding (token + position tables, 50257 rows) and
+    non-embedding, as Kaplan et al. count them; the tied output layer is not counted twice.
+    ``trained_embedding_rows`` is the compact table's size (see ``Gpt2``)."""
+    cfg = model.cfg
+    emb = (cfg.n_vocab + cfg.n_ctx) * cfg.n_embd
+    non_emb = sum(p.numel() for n, p in model.named_parameters() if "embd" not in n)
+    return {"embedding": emb, "non_embedding": non_emb, "total": emb + non_emb,
+            "trained_embedding_rows": model.token_embd.num_embeddings}
+
+
+def batches(tokens: np.ndarray, n_ctx: int, batch_size: int, seed: int,
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless ``(x, y)`` batches ``(B, n_ctx)``: every epoch visits each non-overlapping window
+    once, in a seeded random order, from a seeded random offset; deterministic given the seed."""
+    rng = np.random.default_rng(seed)
+    while True:
+        offset = int(rng.integers(n_ctx))
+        starts = offset + n_ctx * np.arange((len(tokens) - offset - 1) // n_ctx)
+        rng.shuffle(starts)
+        for i in range(0, len(starts) - batch_size + 1, batch_size):
+            rows = np.stack([tokens[s:s + n_ctx + 1] for s in starts[i:i + batch_size]])
+            rows = torch.from_numpy(rows.astype(np.int64))
+            yield rows[:, :-1], rows[:, 1:]
+
+
+def lr_at(step: int, cfg: TrainConfig, total: int | None) -> float:
+    """Linear warmup, then cosine from lr to lr * min_lr_ratio at step ``total``."""
+    if step < cfg.warmup or total is None:
+        return cfg.lr * (step + 1) / cfg.warmup
+    frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
+    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(
+        math.pi * frac)))
+
+
+def make_optimizer(model: Gpt2, cfg: TrainConfig) -> torch.optim.AdamW:
+    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
+    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
+    return torch.optim.AdamW([{"params": decay, "weight_decay": cfg.weight_decay},
+                              {"params": no_decay, "weight_decay": 0.0}],
+                             lr=cfg.lr, betas=cfg.betas, fused=True)
+
+
+def _fit_steps(cfg: TrainConfig, step: int, elapsed: float, step_times: Sequence[float]) -> int:
+    """Steps that fit the remaining time budget at the median speed of the recent steps."""
+    per_step = float(np.median(step_times))
+    return step + max(1, int((cfg.minutes * 60 - elapsed) / per_step))
+
+
+def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | None = None,
+          progress: bool = True) -> dict:
+    """Train in place; returns the run's statistics (steps, tokens, seconds, losses)."""
+    from tqdm import tqdm
+
+    n_ctx, tokens_per_step = model.cfg.n_ctx, cfg.batch_size * model.cfg.n_ctx
+    total = cfg.steps or (math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None)
+    if total is None and cfg.minutes <= 0:
+        raise ValueError("give steps, tokens or minutes")
+    opt = make_optimizer(model, cfg)
+    step_fn = torch.compile(model) if cfg.compile else model
+    data_iter = batches(data, n_ctx, cfg.batch_size, cfg.seed)
+    losses, step_times, evals = [], [], []
+    bar = tqdm(total=total, disable=not progress, mininterval=1 if sys.stderr.isatty() else 30)
+    start = time.perf_counter()
+    step = 0
+    while total is None or step < total:
+        t0 = time.perf_counter()
+        for group in opt.param_groups:
+            group["lr"] = lr_at(step, cfg, total)
+        x, y = next(data_iter)
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            loss = step_fn(x, y)
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
+        opt.step()
+        losses.append(loss.item())
+        step_times.append(time.perf_counter() - t0)
+        step += 1
+        if total is None and step >= min(cfg.warmup, 40):  # first steps include compilation
+            total = _fit_steps(cfg, step, time.perf_counter() - start, step_times[-20:])
+            bar.total = total
+            log.info("fitted %d steps (%.2f s/step) to %.1f minutes", total,
+                     np.median(step_times[-20:]), cfg.minutes)
+        bar.update()
+        bar.set_postfix(loss=f"{np.mean(losses[-20:]):.3f}", lr=f"{lr_at(step, cfg, total):.1e}",
+                        refresh=False)
+        if valid is not None and cfg.eval_every and step % cfg.eval_every == 0:
+            evals.append((step, evaluate(model, valid, max_windows=8, bf16=True)))
+            log.info("step %d: train loss %.3f, quick valid loss %.3f", step,
+                     np.mean(losses[-20:]), evals[-1][1])
+    bar.close()
+    seconds = time.perf_counter() - start
+    return {"steps": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 1),
+            "tokens_per_s": round(step * tokens_per_step / seconds),
+            "median_step_seconds": round(float(np.median(step_times)), 3),
+            "first_loss": losses[0], "final_train_loss": float(np.mean(losses[-20:])),
+            "losses": losses, "quick_valid": evals}
+
+
+@torch.no_grad()
+def evaluate(model: Gpt2, tokens: np.ndarray, max_windows: int | None = None,
+             bf16: bool = False, batch_size: int = 8) -> float:
+    """Mean next-token loss (nats) over the non-overlapping ``n_ctx`` windows of ``tokens``;
+    fp32 unless ``bf16`` (the quick estimates logged during training)."""
+    model.eval()
+    n_ctx = model.cfg.n_ctx
+    n = (len(tokens) - 1) // n_ctx
+    n = min(n, max_windows) if max_windows else n
+    total, count = 0.0, 0
+    for i in range(0, n, batch_size):
+        rows = np.stack([tokens[s * n_ctx:(s + 1) * n_ctx + 1]
+                         for s in range(i, min(n, i + batch_size))]).astype(np.int64)
+        x, y = torch.from_numpy(rows[:, :-1]), torch.from_numpy(rows[:, 1:])
+        with torch.autocast("cpu", dtype=torch.bfloat16, enabled=bf16):
+            loss = model(x, y)
+        total += loss.item() * y.numel()
+        count += y.numel()
+    model.train()
+    return total / count
+
+
+def gguf_weights(model: Gpt2) -> dict[str, np.ndarray]:
+    """The weights under llama.cpp's names. torch's Linear weight is ``(out, in)``, which is
+    already llama.cpp's orientation (see ``models/gguf_writer.py``): no transposes."""
+    # Module names were chosen to be the GGUF names: blocks.{i}.x -> blk.{i}.x
+    weights = {name.replace("blocks.", "blk.", 1): p.detach().float().numpy().copy()
+               for name, p in model.named_parameters()}
+    # compact table -> one row per token id; unseen tokens all get the shared row
+    weights["token_embd.weight"] = weights["token_embd.weight"][model.row_of.numpy()]
+    return weights
+
+
+def export(model: Gpt2, path: str | Path, ftype: str = "q8_0", vocab: Vocab | None = None,
+           name: str = "gpt2") -> Path:
+    return write_gpt2_gguf(path, model.cfg, gguf_weights(model), vocab or read_vocab(),
+                           ftype=ftype, name=name)
+
+
+def llama_logits(path: str | Path, tokens: Sequence[int]) -> np.ndarray:
+    """Logits ``(n, n_vocab)`` of every position of ``tokens``, computed by llama.cpp."""
+    from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+
+    n = len(tokens)
+    with LlamaModel(path) as m, LlamaContext(m, ContextConfig(n_ctx=n, n_batch=n,
+                                                              n_seq_max=1)) as ctx:
+        return ctx.decode(list(tokens), list(range(n)), [[0]] * n)
+
+
+def check_gguf(model: Gpt2, path: str | Path, seqs: np.ndarray) -> dict:
+    """Compare llama.cpp's logits of ``path`` with the fp32 torch model on ``seqs`` ``(S, T+1)``.
+
+    Reported: max and mean |difference| of the logits, the fraction of positions whose argmax
+    agrees, and the mean next-token loss of each on these sequences.
+    """
+    x = torch.from_numpy(seqs[:, :-1].astype(np.int64))
+    with torch.no_grad():
+        ref = model.eval().logits(x).float().numpy()
+    model.train()
+    diffs, agree, loss_t, loss_l = [], [], [], []
+    for i, seq in enumerate(seqs):
+        got = llama_logits(path, seq[:-1].tolist())
+        diffs.append(np.abs(got - ref[i]))
+        agree.append(got.argmax(-1) == ref[i].argmax(-1))
+        loss_t.append(_nll(ref[i], seq[1:]))
+        loss_l.append(_nll(got, seq[1:]))
+    d = np.concatenate(diffs)
+    return {"max_abs_diff": float(d.max()), "mean_abs_diff": float(d.mean()),
+            "logit_std": float(ref.std()), "argmax_agree": float(np.concatenate(agree).mean()),
+            "torch_loss": float(np.mean(loss_t)), "llama_loss": float(np.mean(loss_l)),
+            "positions": int(d.shape[0])}
+
+
+def _nll(logits: np.ndarray, targets: np.ndarray) -> float:
+    z = logits.astype(np.float64)
+    z = z - z.max(-1, keepdims=True)
+    logp = z - np.log(np.exp(z).sum(-1, keepdims=True))
+    return float(-logp[np.arange(len(targets)), targets.astype(np.int64)].mean())
+
+
+def check_sequences(tokens: np.ndarray, n_ctx: int, count: int = 4) -> np.ndarray:
+    """``count`` evenly spaced windows of ``n_ctx + 1`` tokens (fixed, not random)."""
+    starts = np.linspace(0, len(tokens) - n_ctx - 2, count).astype(np.int64)
+    return np.stack([tokens[s:s + n_ctx + 1] for s in starts])
+
+
+def build(cfg: Gpt2Config, seed: int, seen: np.ndarray | None = None) -> Gpt2:
+    torch.manual_seed(seed)
+    return Gpt2(cfg, seen)
+
+
+def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True) -> dict:
+    """Train ``which`` on the stdlib corpus, export Q8_0 GGUF to ``out``, write metrics beside."""
+    torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
+    corpus = load_corpus()
+    model = build(MODELS[which], cfg.seed, seen=corpus.train)
+    counts = param_counts(model)
+    log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
+             len(corpus.train), len(corpus.valid))
+    stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress)
+    ckpt = Path(tempfile.gettempdir()) / f"staged-chat-{which}-seed{cfg.seed}.pt"
+    torch.save(model.state_dict(), ckpt)  # export or checks failing must not cost the run
+    log.info("trained in %.0f s; checkpoint %s; evaluating", stats["seconds"], ckpt)
+    t0 = time.perf_counter()
+    valid_loss = evaluate(model, corpus.valid)
+    eval_seconds = time.perf_counter() - t0
+    vocab = read_vocab()
+    path = export(model, out, "q8_0", vocab, name=f"staged-chat-{which}")
+    seqs = check_sequences(corpus.valid, model.cfg.n_ctx)
+    with tempfile.TemporaryDirectory() as tmp:  # F32: the same function, to float noise
+        f32 = export(model, Path(tmp) / "f32.gguf", "f32", vocab)
+        check_f32 = check_gguf(model, f32, seqs)
+    metrics = {
+        "which": which, "config": dataclasses.asdict(MODELS[which]),
+        "train_config": dataclasses.asdict(cfg), "parameters": counts,
+        **{k: v for k, v in stats.items() if k != "losses"},
+        "loss_every_100_steps": [round(float(np.mean(stats["losses"][i:i + 100])), 4)
+                                 for i in range(0, len(stats["losses"]), 100)],
+        "valid_loss": valid_loss, "valid_perplexity": math.exp(valid_loss),
+        "valid_tokens": len(corpus.valid) - 1, "eval_seconds": round(eval_seconds, 1),
+        "train_tokens_in_corpus": len(corpus.train),
+        "epochs": stats["tokens"] / len(corpus.train),
+        "gguf": {"path": path.name, "bytes": path.stat().st_size, "ftype": "q8_0"},
+        "llama_check_q8_0": check_gguf(model, path, seqs), "llama_check_f32": check_f32,
+        "held_out": list(corpus.valid_files), "python": platform.python_version(),
+        "torch": torch.__version__,
+    }
+    path.with_suffix(".json").write_text(json.dumps(metrics, indent=1) + "\n")
+    return metrics
+
+
+def parse_args(argv: Sequence[str] | None) -> tuple[str, Path, TrainConfig]:
+    defaults = TrainConfig()
+    p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
+    p.add_argument("--which", choices=sorted(MODELS), required=True)
+    p.add_argument("--out", type=Path, required=True, help="GGUF path (Q8_0); .json beside it")
+    p.add_argument("--minutes", type=float, default=0.0, help="training time budget")
+    p.add_argument("--tokens", type=int, default=0, help="training token budget")
+    p.add_argument("--steps", type=int, default=0, help="exact step count (overrides budgets)")
+    p.add_argument("--seed", type=int, default=0)
+    p.add_argument("--batch-size", type=int, default=defaults.batch_size)
+    p.add_argument("--lr", type=float, default=defaults.lr)
+    p.add_argument("--warmup", type=int, default=defaults.warmup)
+    p.add_argument("--no-compile", action="store_true")
+    p.add_argument("--threads", type=int, default=0)
+    a = p.parse_args(argv)
+    if not (a.minutes or a.tokens or a.steps):
+        p.error("give --minutes, --tokens or --steps")
+    return a.which, a.out, TrainConfig(
+        steps=a.steps, minutes=a.minutes, tokens=a.tokens, batch_size=a.batch_size, lr=a.lr,
+        warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads)
+
+
+def main(argv: Sequence[str] | None = None) -> dict:
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
+    which, out, cfg = parse_args(argv)
+    metrics = run(which, out, cfg)
+    print(json.dumps({k: v for k, v in metrics.items() if k not in ("held_out", "quick_valid")},
+                     indent=1))
+    return metrics
+
+
+if __name__ == "__main__":
+    main()

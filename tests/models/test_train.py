@@ -1,0 +1,97 @@
+"""Training a microscopic GPT-2: loss falls, runs repeat exactly, and llama.cpp computes the
+same function from the exported GGUF (the oracle for the export's names and orientations)."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+torch = pytest.importorskip("torch")  # the optional `train` extra
+
+from models.corpus import eot_id, tokenize_documents  # noqa: E402
+from models.gguf_writer import Gpt2Config, Vocab, read_vocab  # noqa: E402
+from models.train import (  # noqa: E402
+    MODELS,
+    TrainConfig,
+    build,
+    check_gguf,
+    check_sequences,
+    export,
+    param_counts,
+    train,
+)
+
+TINY = Gpt2Config(n_ctx=64, n_embd=64, n_layer=2, n_head=2)  # Q8_0 needs rows of 32k
+STEPS = TrainConfig(steps=30, batch_size=4, lr=1e-2, warmup=5, compile=False, eval_every=0,
+                    threads=2)
+
+
+@pytest.fixture(scope="module")
+def tokens() -> np.ndarray:
+    # real code, tokenized as the corpus is: this repository's GGUF writer and corpus modules
+    root = Path(__file__).resolve().parents[2] / "models"
+    texts = [(root / name).read_text(encoding="utf-8") for name in ("gguf_writer.py", "corpus.py")]
+    return tokenize_documents(texts, eot_id())
+
+
+@pytest.fixture(scope="module")
+def vocab() -> Vocab:
+    return read_vocab()  # a few seconds: read it once
+
+
+def trained(tokens: np.ndarray, cfg: TrainConfig = STEPS, seed: int = 0) -> tuple:
+    torch.set_num_threads(cfg.threads)
+    model = build(TINY, seed, seen=tokens)
+    return model, train(model, tokens, dataclasses.replace(cfg, seed=seed), progress=False)
+
+
+def test_loss_decreases(tokens: np.ndarray) -> None:
+    _, stats = trained(tokens)
+    assert stats["steps"] == STEPS.steps
+    assert np.mean(stats["losses"][-5:]) < stats["first_loss"] - 1.0
+
+
+def test_same_seed_same_weights(tokens: np.ndarray) -> None:
+    cfg = dataclasses.replace(STEPS, steps=5)
+    a, _ = trained(tokens, cfg)
+    b, _ = trained(tokens, cfg)
+    c, _ = trained(tokens, cfg, seed=1)
+    sa, sb, sc = a.state_dict(), b.state_dict(), c.state_dict()
+    assert all(torch.equal(sa[k], sb[k]) for k in sa)
+    assert not torch.equal(sa["token_embd.weight"], sc["token_embd.weight"])
+
+
+def test_compact_table_gives_the_full_vocabulary_loss(tokens: np.ndarray) -> None:
+    model, _ = trained(tokens, dataclasses.replace(STEPS, steps=3))
+    unseen = int(np.setdiff1d(np.arange(TINY.n_vocab), tokens)[0])
+    x = torch.from_numpy(tokens[None, :TINY.n_ctx].astype(np.int64))
+    y = torch.from_numpy(tokens[None, 1:TINY.n_ctx + 1].astype(np.int64))
+    y[0, ::7] = unseen  # targets never trained on still get their full-softmax probability
+    with torch.no_grad():
+        full = torch.nn.functional.cross_entropy(model.logits(x).double()[0], y[0])
+        assert model(x, y).item() == pytest.approx(full.item(), abs=1e-4)
+
+
+def test_gguf_computes_the_torch_function(tokens: np.ndarray, vocab: Vocab,
+                                          tmp_path: Path) -> None:
+    model, _ = trained(tokens)
+    seqs = check_sequences(tokens, TINY.n_ctx, count=2)
+    f32 = check_gguf(model, export(model, tmp_path / "m-f32.gguf", "f32", vocab), seqs)
+    assert f32["max_abs_diff"] < 2e-3 * max(1.0, f32["logit_std"])
+    assert f32["argmax_agree"] == 1.0
+    assert f32["llama_loss"] == pytest.approx(f32["torch_loss"], abs=1e-3)
+    q8 = check_gguf(model, export(model, tmp_path / "m-q8_0.gguf", "q8_0", vocab), seqs)
+    assert q8["argmax_agree"] > 0.9
+    assert q8["llama_loss"] == pytest.approx(q8["torch_loss"], abs=0.05)
+
+
+def test_draft_has_ten_times_fewer_non_embedding_parameters() -> None:
+    seen = np.arange(64)  # table size does not enter the non-embedding count
+    target = param_counts(build(MODELS["target"], 0, seen))
+    draft = param_counts(build(MODELS["draft"], 0, seen))
+    assert target["non_embedding"] >= 10 * draft["non_embedding"]
+    assert MODELS["target"].n_embd // MODELS["target"].n_head == 64
+    assert MODELS["draft"].n_embd // MODELS["draft"].n_head == 64
