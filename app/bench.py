@@ -48,7 +48,7 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
     with open_pair(target, draft, config) as pair:
         vocab = pair.target.vocab
         base = KatzTrigram.load(ngram_path) if ngram_path is not None else None
-        cost = None  # the target's verify cost, measured once and shared by every engine
+        cost = (None, None)  # target and draft costs, measured once, shared by every engine
         for _ in range(args.repeats):
             for text in prompts:
                 prompt = vocab.tokenize(text)
@@ -58,13 +58,13 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
                              else KatzTrigram.build([], vocab.n_vocab))
                     engine = Engine(pair.target_ctx, pair.draft_ctx, ngram,
                                     dataclasses.replace(spec, mode=mode))
-                    engine.verify_cost = cost
+                    engine.verify_cost, engine.draft_cost = cost
                     run = RunStats()
                     outputs[mode] = [t for step in engine.generate(
                         prompt, args.max_tokens, params, stop={vocab.eos}, run=run)
                         for t in step.tokens]
                     runs[mode].append(run)
-                    cost = cost or engine.verify_cost
+                    cost = (engine.verify_cost, engine.draft_cost)
                 for mode in modes:
                     same[mode] += outputs[mode] == outputs[Mode.PLAIN]
     report = summarize(runs, same if params.greedy else None, len(prompts) * args.repeats)

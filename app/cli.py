@@ -135,17 +135,17 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
         if not prompt:
             raise ValueError("the prompt is empty")
         results = []
-        cost = None  # the target's verify cost, measured once and shared by every engine
+        cost = (None, None)  # target and draft costs, measured once, shared by every engine
         for mode in args.mode:
             # a fresh n-gram per run, so that no mode learns from another's output
             ngram = (KatzTrigram.load(ngram_path) if ngram_path is not None
                      else KatzTrigram.build([], vocab.n_vocab))
             engine = Engine(pair.target_ctx, pair.draft_ctx, ngram,
                             dataclasses.replace(spec, mode=mode))
-            engine.verify_cost = cost
+            engine.verify_cost, engine.draft_cost = cost
             stream = out if not args.json and len(args.mode) == 1 else None
             results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
-            cost = cost or engine.verify_cost
+            cost = (engine.verify_cost, engine.draft_cost)
         _report(results, out, args.json, prompt_text=text)
     return 0
 

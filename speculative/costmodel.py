@@ -1,4 +1,4 @@
-"""How big a tree to verify: measured verification cost against expected accepted tokens.
+"""How big a tree to verify (and how far stage 2 guesses): measured cost against expected gain.
 
 Verifying n tokens in one target pass costs ``cost(n)``, which depends on the hardware (on a
 2-core CPU a second token can cost as much as the first; on a GPU 16 cost little more than 1).
@@ -78,6 +78,19 @@ def best_size(scores: Sequence[float], cost: VerifyCost, t_draft: float,
         if rate > best_rate:
             best_n, best_rate = n, rate
     return best_n
+
+
+def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) -> int:
+    """Stage-2 guess tokens worth adding to a draft batch of ``batch`` tokens: the g that
+    maximises ``hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))`` (a used guess saves
+    about one single-token draft call); 0 when no g gains. Where a batch's second token costs as
+    much as its first, guesses only ride along with batches that are already wide."""
+    best_g, best_gain = 0, 0.0
+    for g in range(1, max_len + 1):
+        gain = hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))
+        if gain > best_gain:
+            best_g, best_gain = g, gain
+    return best_g
 
 
 @dataclasses.dataclass(slots=True)

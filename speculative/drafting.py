@@ -13,7 +13,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Protocol
 
 import numpy as np
@@ -85,10 +85,13 @@ class ModelDrafter:
     """A draft model on its own context, optionally sped up by an n-gram ``lookahead``."""
 
     def __init__(self, kv: KVTree, lookahead: KatzTrigram | None = None,
-                 lookahead_len: int = 4) -> None:
+                 lookahead_len: int = 4,
+                 guess_budget: Callable[[int, int], int] | None = None) -> None:
         self.kv = kv
         self.lookahead = lookahead
         self.lookahead_len = lookahead_len if lookahead is not None else 0
+        # (tokens in the batch, most guess tokens) -> guess tokens worth their cost; None: all
+        self.guess_budget = guess_budget
         self.counters = DraftCounters()
         self._committed: list[int] = []
         self._cache: dict[Path, tuple[Slot, np.ndarray]] = {}  # decoded nodes of this step
@@ -106,7 +109,7 @@ class ModelDrafter:
         room = self.kv.ctx.n_batch - self.lookahead_len
         pending = self.kv.prepare(committed, max_pending=room)
         guess = self._guess((), room=self.kv.ctx.n_batch - len(pending)
-                            if self.kv.seqs_free > 0 else 0)
+                            if self.kv.seqs_free > 0 else 0, batch=len(pending))
         tokens = pending + guess
         parents: list[Parent] = [COMMIT] * len(pending)
         parents += [len(pending) - 1 + i for i in range(len(guess))]
@@ -128,7 +131,8 @@ class ModelDrafter:
                 raise DraftExhausted(f"{len(missing)} nodes, {self.kv.seqs_free} sequences left")
             # paths arrive best-first: the n-gram guesses how the best missing one continues
             room = self.kv.ctx.n_batch - len(missing)
-            guess = self._guess(missing[0], room if self.kv.seqs_free > len(missing) else 0)
+            guess = self._guess(missing[0], room if self.kv.seqs_free > len(missing) else 0,
+                                batch=len(missing))
             tokens = [p[-1] for p in missing] + guess
             parents: list[Parent] = [self._cache[p[:-1]][0] for p in missing]
             parents += [0 if i == 0 else len(missing) + i - 1 for i in range(len(guess))]
@@ -140,12 +144,15 @@ class ModelDrafter:
         self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
         return [self._cache[p][1] for p in paths]
 
-    def _guess(self, after: Path, room: int) -> list[int]:
-        """The n-gram's greedy continuation of ``after``, to decode speculatively (stage 2)."""
+    def _guess(self, after: Path, room: int, batch: int) -> list[int]:
+        """The n-gram's greedy continuation of ``after``, to decode speculatively (stage 2)
+        in a draft batch of ``batch`` other tokens."""
         self._t_guess = 0.0
         # guesses sit right after ``after``, whose last token is at len(committed)-1+len(after)
         window = self.kv.ctx.n_ctx - len(self._committed) - len(after)
         n = min(self.lookahead_len, room, window)
+        if self.guess_budget is not None and n > 0:
+            n = self.guess_budget(batch, n)
         if self.lookahead is None or n <= 0:
             return []
         t0 = time.perf_counter()

@@ -16,7 +16,13 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
-from .costmodel import Calibration, VerifyCost, best_size, measure_verify_cost
+from .costmodel import (
+    Calibration,
+    VerifyCost,
+    best_size,
+    guess_length,
+    measure_verify_cost,
+)
 from .drafting import (
     DraftCounters,
     Drafter,
@@ -91,7 +97,9 @@ class Engine:
         self._ngram_fed: list[int] = []
         self.config = config if config is not None else SpecConfig()
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
+        self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
         self._calibration = Calibration()
+        self._stage2 = Calibration()  # used / proposed stage-2 guess tokens
         self._previous: tuple[list[float], float] = ([], 0.0)  # last step's scores, draft time
 
     def check(self, config: SpecConfig) -> None:
@@ -154,8 +162,12 @@ class Engine:
                     self.target.ctx.n_batch)
             self.verify_cost = measure_verify_cost(self.target.ctx, n)
             self.target.tokens.clear()
-            log.info("verify cost (ms): %s", dict(zip(self.verify_cost.sizes, [
-                round(t * 1000, 2) for t in self.verify_cost.seconds], strict=True)))
+            log.info("verify cost (ms): %s", _ms(self.verify_cost))
+        if self.draft is not None and (self.draft_cost is None or force):
+            n = min(budget.max_nodes + self.config.lookahead + 1, self.draft.ctx.n_batch)
+            self.draft_cost = measure_verify_cost(self.draft.ctx, n)
+            self.draft.tokens.clear()
+            log.info("draft cost (ms): %s", _ms(self.draft_cost))
         return self.verify_cost
 
     def _n_ctx(self) -> int:
@@ -192,6 +204,8 @@ class Engine:
         if drafter is not None:
             drafter.commit(tuple(accepted))
             self._calibration.add(len(accepted), sum(tree.scores[1:]))
+            if drafter.counters.stage2_proposed:
+                self._stage2.add(drafter.counters.stage2_used, drafter.counters.stage2_proposed)
         counters = drafter.counters if drafter is not None else DraftCounters()
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         t3 = time.perf_counter()
@@ -225,7 +239,14 @@ class Engine:
             return NgramDrafter(self.ngram)
         assert self.draft is not None
         lookahead = self.ngram if config.mode is Mode.STAGED else None
-        return ModelDrafter(self.draft, lookahead, config.lookahead)
+        if not (config.adaptive and self.draft_cost is not None and lookahead is not None):
+            return ModelDrafter(self.draft, lookahead, config.lookahead)
+        cost, hit_rate = self.draft_cost, self._stage2.factor
+
+        def worth(batch: int, most: int) -> int:  # guess tokens worth their draft cost
+            return guess_length(cost, batch, most, hit_rate)
+
+        return ModelDrafter(self.draft, lookahead, config.lookahead, worth)
 
     def _fit(self, budget: TreeBudget | None, committed: list[int]) -> TreeBudget | None:
         """Shrink the tree so that it fits both context windows."""
@@ -265,6 +286,10 @@ class Engine:
         if len(committed) > len(fed):
             self.ngram.update_continued(fed, committed[len(fed):])
             self._ngram_fed = list(committed)
+
+
+def _ms(cost: VerifyCost) -> dict[int, float]:
+    return {n: round(t * 1000, 2) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
 
 
 def _truncate(tokens: list[int], stop: Collection[int], limit: int) -> tuple[list[int], str | None]:

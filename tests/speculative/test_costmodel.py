@@ -41,3 +41,13 @@ def test_measure_leaves_the_context_empty() -> None:
     assert cost.sizes == (1, 2, 4, 8, 13)
     assert all(t > 0 for t in cost.seconds)
     assert ctx.cells == []
+
+
+def test_guesses_ride_along_only_where_they_are_cheap() -> None:
+    from speculative.costmodel import guess_length
+    jump = VerifyCost((1, 2, 4, 8), (1.0, 2.0, 2.2, 2.6))  # the second token doubles the cost
+    assert guess_length(jump, batch=1, max_len=4, hit_rate=0.25) == 0
+    assert guess_length(jump, batch=2, max_len=4, hit_rate=0.25) > 0
+    flat = VerifyCost((1, 8), (1.0, 1.05))
+    assert guess_length(flat, batch=1, max_len=4, hit_rate=0.25) == 4
+    assert guess_length(flat, batch=1, max_len=4, hit_rate=0.0) == 0
