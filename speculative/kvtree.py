@@ -97,12 +97,10 @@ class KVTree:
             if isinstance(p, int):
                 is_parent[p] = True
         seqs: list[list[int]] = [[0] if parents[i] is COMMIT else [] for i in range(n)]
-        leaf_seq = [0] * n
         for i in range(n):
             if parents[i] is COMMIT or is_parent[i]:
                 continue
             s = self._new_seq()
-            leaf_seq[i] = s
             origin = anchor[i]
             if origin is not None:
                 self.ctx.seq_cp(origin.seq, s, -1, origin.pos + 1)
@@ -114,15 +112,14 @@ class KVTree:
                     j = j - 1 if j > 0 else None
                 else:
                     j = p if isinstance(p, int) else None
-        for i in reversed(range(n)):  # a slot names any sequence that holds the node
-            if not leaf_seq[i] and parents[i] is not COMMIT:
-                leaf_seq[i] = next(leaf_seq[c] for c in range(i + 1, n) if parents[c] == i)
         logits = self.ctx.decode(tokens, pos, seqs,
                                  True if want_logits is None else list(want_logits))
         for i in range(n):
             if parents[i] is COMMIT:
                 self.tokens.append(tokens[i])
-        slots = [Slot(pos[i], 0 if parents[i] is COMMIT else leaf_seq[i]) for i in range(n)]
+        # a slot names one sequence holding the node: 0 for committed tokens, else the first
+        # leaf below it
+        slots = [Slot(pos[i], seqs[i][0]) for i in range(n)]
         return slots, logits
 
     def _positions(self, parents: Sequence[Parent]) -> tuple[list[int], list[Slot | None]]:
