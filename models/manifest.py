@@ -87,7 +87,11 @@ def main(argv: list[str] | None = None) -> int:
         print("\n".join(problems) or "ok")
         return 1 if problems else 0
     extra = json.loads(args.extra.read_text()) if args.extra else None
-    MANIFEST.write_text(json.dumps(build(extra), indent=1) + "\n")
+    manifest = build(extra)
+    if MANIFEST.is_file():  # keep what was recorded beside the files (e.g. pair_evaluation)
+        old = json.loads(MANIFEST.read_text())
+        manifest = {k: v for k, v in old.items() if k not in manifest} | manifest
+    MANIFEST.write_text(json.dumps(manifest, indent=1) + "\n")
     print(MANIFEST)
     return 0
 
