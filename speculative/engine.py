@@ -78,6 +78,7 @@ class Step:
     tokens: list[int]     # tokens this step adds to the output
     stats: StepStats
     finish: str | None    # None while generating; "stop", "length", "context" or "cancelled"
+    origins: list[str] = dataclasses.field(default_factory=list)  # per token: stats.ORIGINS
 
 
 class Engine:
@@ -142,7 +143,8 @@ class Engine:
             self.check(config)
             tokens, origins, stats = self._step(committed, config, params, rng)
             tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
-            counts = {o: origins[:len(tokens)].count(o) for o in ORIGINS}
+            origins = origins[:len(tokens)]
+            counts = {o: origins.count(o) for o in ORIGINS}
             stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts)
             committed += tokens
             produced += len(tokens)
@@ -150,7 +152,7 @@ class Engine:
             if finish is None and len(committed) > self._n_ctx():
                 finish = "context"
             run.add(stats)
-            yield Step(tokens, stats, finish)
+            yield Step(tokens, stats, finish, origins)
             if finish is not None:
                 return
 
