@@ -39,11 +39,12 @@ from models.gguf_writer import Gpt2Config, Vocab, read_vocab, write_gpt2_gguf
 log = logging.getLogger(__name__)
 
 MODELS = {
-    # Head size 64 throughout. The 50257-token output layer costs 2 * d * 50257 FLOPs per token,
-    # more than all of the target's blocks together, so six layers cost only ~10% more than four.
-    "target": Gpt2Config(n_ctx=512, n_embd=256, n_layer=6, n_head=4),
+    # Head size 64 throughout. The output layer (2 * d * rows FLOPs per token) costs about as
+    # much as all six blocks, so depth is cheap. 1024 positions: GPT-2's own window, and a chat
+    # with the built-in pair can run that long.
+    "target": Gpt2Config(n_ctx=1024, n_embd=256, n_layer=6, n_head=4),
     # 2 x 198k non-embedding parameters against the target's 6 x 790k: 11.9x fewer.
-    "draft": Gpt2Config(n_ctx=512, n_embd=128, n_layer=2, n_head=2),
+    "draft": Gpt2Config(n_ctx=1024, n_embd=128, n_layer=2, n_head=2),
 }
 
 
@@ -52,10 +53,18 @@ class TrainConfig:
     steps: int = 0               # 0: fit the step count to `minutes` (or derive it from `tokens`)
     minutes: float = 0.0
     tokens: int = 0
-    batch_size: int = 8          # sequences of n_ctx tokens per step: 4096 tokens
+    batch_size: int = 4          # sequences of n_ctx tokens per step: 4096 tokens
     lr: float = 2e-3             # small models tolerate (and need, in few steps) a high rate
-    min_lr_ratio: float = 0.1    # cosine decays to lr * this
+    min_lr_ratio: float = 0.1    # the schedule decays to lr * this
     warmup: int = 100            # steps; the step count is fitted during them (see `_fit_steps`)
+    # "cosine": cosine decay over the whole run. "wsd" (warmup, stable, decay): constant rate,
+    # then a linear decay over the last `decay_frac` of the steps. A wsd run's stable phase does
+    # not depend on its length, so a run can be cut short by resuming a checkpoint taken before
+    # the decay with fewer --steps: the result equals a fresh run of that length.
+    schedule: str = "cosine"
+    decay_frac: float = 0.15
+    min_count: int = 1           # tokens seen fewer times in training share one embedding row
+    save_every: int = 0          # steps between resumable checkpoints (0: none)
     weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -163,28 +172,45 @@ def param_counts(model: Gpt2) -> dict[str, int]:
             "trained_embedding_rows": model.token_embd.num_embeddings}
 
 
-def batches(tokens: np.ndarray, n_ctx: int, batch_size: int, seed: int,
-            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
-    """Endless ``(x, y)`` batches ``(B, n_ctx)``: every epoch visits each non-overlapping window
-    once, in a seeded random order, from a seeded random offset; deterministic given the seed."""
+def batch_starts(n_tokens: int, n_ctx: int, batch_size: int, seed: int) -> Iterator[np.ndarray]:
+    """Endless start offsets ``(B,)`` of training windows: every epoch visits each
+    non-overlapping window once, in a seeded random order, from a seeded random offset."""
     rng = np.random.default_rng(seed)
     while True:
         offset = int(rng.integers(n_ctx))
-        starts = offset + n_ctx * np.arange((len(tokens) - offset - 1) // n_ctx)
+        starts = offset + n_ctx * np.arange((n_tokens - offset - 1) // n_ctx)
         rng.shuffle(starts)
         for i in range(0, len(starts) - batch_size + 1, batch_size):
-            rows = np.stack([tokens[s:s + n_ctx + 1] for s in starts[i:i + batch_size]])
-            rows = torch.from_numpy(rows.astype(np.int64))
-            yield rows[:, :-1], rows[:, 1:]
+            yield starts[i:i + batch_size]
+
+
+def batches(tokens: np.ndarray, n_ctx: int, batch_size: int, seed: int, skip: int = 0,
+            ) -> Iterator[tuple[torch.Tensor, torch.Tensor]]:
+    """Endless ``(x, y)`` batches ``(B, n_ctx)``, deterministic given the seed; ``skip`` drops
+    the first batches (a resumed run continues exactly where it stopped)."""
+    starts = batch_starts(len(tokens), n_ctx, batch_size, seed)
+    for _ in range(skip):
+        next(starts)
+    for batch in starts:
+        rows = np.stack([tokens[s:s + n_ctx + 1] for s in batch])
+        rows = torch.from_numpy(rows.astype(np.int64))
+        yield rows[:, :-1], rows[:, 1:]
 
 
 def lr_at(step: int, cfg: TrainConfig, total: int | None) -> float:
-    """Linear warmup, then cosine from lr to lr * min_lr_ratio at step ``total``."""
+    """Linear warmup, then cosine or wsd (see ``TrainConfig.schedule``) down to
+    lr * min_lr_ratio at step ``total``."""
     if step < cfg.warmup or total is None:
         return cfg.lr * (step + 1) / cfg.warmup
+    low = cfg.lr * cfg.min_lr_ratio
+    if cfg.schedule == "wsd":
+        decay_start = int(total * (1 - cfg.decay_frac))
+        if step < decay_start:
+            return cfg.lr
+        frac = min(1.0, (step - decay_start) / max(1, total - decay_start))
+        return cfg.lr - (cfg.lr - low) * frac
     frac = min(1.0, (step - cfg.warmup) / max(1, total - cfg.warmup))
-    return cfg.lr * (cfg.min_lr_ratio + (1 - cfg.min_lr_ratio) * 0.5 * (1 + math.cos(
-        math.pi * frac)))
+    return low + (cfg.lr - low) * 0.5 * (1 + math.cos(math.pi * frac))
 
 
 def make_optimizer(model: Gpt2, cfg: TrainConfig) -> torch.optim.AdamW:
@@ -202,8 +228,13 @@ def _fit_steps(cfg: TrainConfig, step: int, elapsed: float, step_times: Sequence
 
 
 def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | None = None,
-          progress: bool = True) -> dict:
-    """Train in place; returns the run's statistics (steps, tokens, seconds, losses)."""
+          progress: bool = True, checkpoint: Path | None = None) -> dict:
+    """Train in place; returns the run's statistics (steps, tokens, seconds, losses).
+
+    With ``checkpoint``, the run saves its whole state there every ``cfg.save_every`` steps and,
+    if the file exists, resumes from it first (same batches, same rates: the result equals an
+    uninterrupted run).
+    """
     from tqdm import tqdm
 
     n_ctx, tokens_per_step = model.cfg.n_ctx, cfg.batch_size * model.cfg.n_ctx
@@ -211,12 +242,16 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
     if total is None and cfg.minutes <= 0:
         raise ValueError("give steps, tokens or minutes")
     opt = make_optimizer(model, cfg)
+    state = _resume(checkpoint, model, opt, cfg)
+    step, total = state.get("step", 0), total or state.get("total")
+    losses, evals = state.get("losses", []), state.get("evals", [])
+    elapsed = state.get("seconds", 0.0)  # training time before this process
     step_fn = torch.compile(model) if cfg.compile else model
-    data_iter = batches(data, n_ctx, cfg.batch_size, cfg.seed)
-    losses, step_times, evals = [], [], []
-    bar = tqdm(total=total, disable=not progress, mininterval=1 if sys.stderr.isatty() else 30)
+    data_iter = batches(data, n_ctx, cfg.batch_size, cfg.seed, skip=step)
+    step_times: list[float] = []
+    bar = tqdm(total=total, initial=step, disable=not progress,
+               mininterval=1 if sys.stderr.isatty() else 30)
     start = time.perf_counter()
-    step = 0
     while total is None or step < total:
         t0 = time.perf_counter()
         for group in opt.param_groups:
@@ -243,13 +278,49 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
             evals.append((step, evaluate(model, valid, max_windows=8, bf16=True)))
             log.info("step %d: train loss %.3f, quick valid loss %.3f", step,
                      np.mean(losses[-20:]), evals[-1][1])
+        if checkpoint is not None and cfg.save_every and step % cfg.save_every == 0:
+            _save(checkpoint, model, opt, cfg, step=step, total=total, losses=losses,
+                  evals=evals, seconds=elapsed + time.perf_counter() - start)
     bar.close()
-    seconds = time.perf_counter() - start
+    seconds = elapsed + time.perf_counter() - start
     return {"steps": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 1),
             "tokens_per_s": round(step * tokens_per_step / seconds),
-            "median_step_seconds": round(float(np.median(step_times)), 3),
+            "median_step_seconds": round(float(np.median(step_times or [0.0])), 3),
             "first_loss": losses[0], "final_train_loss": float(np.mean(losses[-20:])),
             "losses": losses, "quick_valid": evals}
+
+
+# What must match for a checkpoint to continue a run (the step count may differ: see `schedule`)
+_RUN_IDENTITY = ("batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac",
+                 "weight_decay", "betas", "grad_clip", "seed", "min_count")
+
+
+def _save(path: Path, model: Gpt2, opt: torch.optim.Optimizer, cfg: TrainConfig,
+          **progress: object) -> None:
+    path.parent.mkdir(parents=True, exist_ok=True)
+    tmp = path.with_suffix(".tmp")
+    torch.save({"model": model.state_dict(), "optimizer": opt.state_dict(),
+                "model_config": dataclasses.asdict(model.cfg),
+                "run": {k: getattr(cfg, k) for k in _RUN_IDENTITY}, **progress}, tmp)
+    tmp.replace(path)  # a crash while saving keeps the previous checkpoint
+
+
+def _resume(path: Path | None, model: Gpt2, opt: torch.optim.Optimizer,
+            cfg: TrainConfig) -> dict:
+    """Load a checkpoint of the same run into ``model`` and ``opt``; its progress, or {}."""
+    if path is None or not path.is_file():
+        return {}
+    state = torch.load(path, weights_only=False)
+    run = {k: getattr(cfg, k) for k in _RUN_IDENTITY}
+    if state["run"] != run or state["model_config"] != dataclasses.asdict(model.cfg):
+        raise ValueError(f"{path} is a checkpoint of another run: {state['run']} "
+                         f"{state['model_config']}; delete it or change --checkpoint")
+    if cfg.steps and cfg.steps < state["step"]:
+        raise ValueError(f"{path} is at step {state['step']}, beyond --steps {cfg.steps}")
+    model.load_state_dict(state["model"])
+    opt.load_state_dict(state["optimizer"])
+    log.info("resumed %s at step %d", path, state["step"])
+    return state
 
 
 @torch.no_grad()
@@ -343,15 +414,40 @@ def build(cfg: Gpt2Config, seed: int, seen: np.ndarray | None = None) -> Gpt2:
     return Gpt2(cfg, seen)
 
 
-def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True) -> dict:
-    """Train ``which`` on the stdlib corpus, export Q8_0 GGUF to ``out``, write metrics beside."""
+def frequent_tokens(tokens: np.ndarray, min_count: int) -> np.ndarray:
+    """Token ids seen at least ``min_count`` times: the rows of the compact table (see Gpt2)."""
+    counts = np.bincount(tokens, minlength=1)
+    return np.flatnonzero(counts >= max(min_count, 1))
+
+
+def default_checkpoint(which: str, cfg: TrainConfig) -> Path:
+    from models.corpus import default_cache_dir
+
+    return default_cache_dir() / "train" / f"{which}-seed{cfg.seed}.pt"
+
+
+def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig) -> Path:
+    """A running training's current weights as Q8_0 GGUF (to read what it writes so far)."""
+    state = torch.load(checkpoint, weights_only=False)
+    corpus = load_corpus()
+    model = build(MODELS[which], cfg.seed, seen=frequent_tokens(corpus.train, cfg.min_count))
+    model.load_state_dict(state["model"])
+    log.info("%s at step %d", checkpoint, state["step"])
+    return export(model, out, "q8_0", name=f"staged-chat-{which}-step{state['step']}")
+
+
+def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
+        checkpoint: Path | None = None) -> dict:
+    """Train ``which`` on the corpus (``models.corpus``), export Q8_0 GGUF to ``out`` and write
+    metrics beside it. Resumes from the run's checkpoint if one is there."""
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     corpus = load_corpus()
-    model = build(MODELS[which], cfg.seed, seen=corpus.train)
+    model = build(MODELS[which], cfg.seed, seen=frequent_tokens(corpus.train, cfg.min_count))
     counts = param_counts(model)
     log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
              len(corpus.train), len(corpus.valid))
-    stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress)
+    stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress,
+                  checkpoint=checkpoint or default_checkpoint(which, cfg))
     ckpt = Path(tempfile.gettempdir()) / f"staged-chat-{which}-seed{cfg.seed}.pt"
     torch.save(model.state_dict(), ckpt)  # export or checks failing must not cost the run
     log.info("trained in %.0f s; checkpoint %s; evaluating", stats["seconds"], ckpt)
@@ -376,14 +472,16 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True) -> dict:
         "epochs": stats["tokens"] / len(corpus.train),
         "gguf": {"path": path.name, "bytes": path.stat().st_size, "ftype": "q8_0"},
         "llama_check_q8_0": check_gguf(model, path, seqs), "llama_check_f32": check_f32,
-        "held_out": list(corpus.valid_files), "python": platform.python_version(),
+        "held_out": list(corpus.valid_files), "corpus_packages": corpus.packages,
+        "python": platform.python_version(),
         "torch": torch.__version__,
     }
     path.with_suffix(".json").write_text(json.dumps(metrics, indent=1) + "\n")
     return metrics
 
 
-def parse_args(argv: Sequence[str] | None) -> tuple[str, Path, TrainConfig]:
+def parse_args(argv: Sequence[str] | None,
+               ) -> tuple[str, Path, Path | None, bool, TrainConfig]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
     p.add_argument("--which", choices=sorted(MODELS), required=True)
@@ -395,20 +493,40 @@ def parse_args(argv: Sequence[str] | None) -> tuple[str, Path, TrainConfig]:
     p.add_argument("--batch-size", type=int, default=defaults.batch_size)
     p.add_argument("--lr", type=float, default=defaults.lr)
     p.add_argument("--warmup", type=int, default=defaults.warmup)
+    p.add_argument("--schedule", choices=("cosine", "wsd"), default=defaults.schedule)
+    p.add_argument("--decay-frac", type=float, default=defaults.decay_frac)
+    p.add_argument("--min-count", type=int, default=defaults.min_count,
+                   help="tokens seen fewer times in training share one embedding row")
+    p.add_argument("--save-every", type=int, default=100,
+                   help="steps between resumable checkpoints (0: none)")
+    p.add_argument("--checkpoint", type=Path, help="resumable checkpoint file (default: "
+                   "~/.cache/staged-chat/train/WHICH-seedN.pt); an existing one is resumed")
+    p.add_argument("--export-checkpoint", action="store_true",
+                   help="only export the checkpoint's current weights to --out (no training)")
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args(argv)
     if not (a.minutes or a.tokens or a.steps):
         p.error("give --minutes, --tokens or --steps")
-    return a.which, a.out, TrainConfig(
+    if a.export_checkpoint:
+        a.steps = a.steps or 1
+    elif not (a.minutes or a.tokens or a.steps):
+        p.error("give --minutes, --tokens or --steps")
+    return a.which, a.out, a.checkpoint, a.export_checkpoint, TrainConfig(
         steps=a.steps, minutes=a.minutes, tokens=a.tokens, batch_size=a.batch_size, lr=a.lr,
-        warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads)
+        warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
+        schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
+        save_every=a.save_every)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    which, out, cfg = parse_args(argv)
-    metrics = run(which, out, cfg)
+    which, out, checkpoint, export_only, cfg = parse_args(argv)
+    if export_only:
+        path = export_checkpoint(which, checkpoint or default_checkpoint(which, cfg), out, cfg)
+        print(path)
+        return {}
+    metrics = run(which, out, cfg, checkpoint=checkpoint)
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("held_out", "quick_valid")},
                      indent=1))
     return metrics

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.evaluate import evaluate_pair
+from models.evaluate import evaluate_pair, format_samples, judge, samples_report
 
 
 def test_a_model_agrees_with_itself_and_scores_like_itself(tiny_models) -> None:
@@ -20,3 +20,28 @@ def test_a_model_agrees_with_itself_and_scores_like_itself(tiny_models) -> None:
     assert other.greedy_agreement < 1.0
     assert other.target_loss == same.target_loss
     assert other.draft_loss != other.target_loss
+
+
+def test_judge_flags_degenerate_text_and_accepts_code() -> None:
+    prompt = 'def add(a, b):\n    """Add."""\n'
+    spaces = judge(prompt, [220] * 40, " " * 40)
+    assert spaces.degenerate is not None and not spaces.plausible
+    code = "    return a + b\n\ndef sub(a, b):\n    return a - b\n"
+    ok = judge(prompt, list(range(20)), code)
+    assert ok.degenerate is None and ok.plausible
+    # cut at a line boundary: a broken last line does not matter
+    assert judge(prompt, list(range(20)), "    total = a + b\n    return total +").plausible
+    # a body that never parses is not plausible, even without repetition
+    assert not judge(prompt, list(range(20)), "    return a +\n    ) ) (\n").plausible
+    assert judge(prompt, list(range(20)), "xx = xx\n").degenerate == "1 distinct words"
+
+
+def test_samples_report_prints_and_judges_every_prompt(tiny_models) -> None:
+    prompts = ["def f(x):\n", "class A:\n"]
+    report = samples_report(tiny_models["q8_0-target"], prompts, max_tokens=8, threads=1)
+    for part in ("greedy", "sampled"):
+        rows = report[part]["samples"]
+        assert [r["prompt"] for r in rows] == prompts
+        assert 0.0 <= report[part]["degenerate"] <= 1.0
+    text = format_samples(report)
+    assert "def f(x):" in text and "=== greedy" in text and "=== sampled" in text

@@ -20,6 +20,8 @@ from models.train import (  # noqa: E402
     check_gguf,
     check_sequences,
     export,
+    frequent_tokens,
+    lr_at,
     param_counts,
     train,
 )
@@ -95,3 +97,37 @@ def test_draft_has_ten_times_fewer_non_embedding_parameters() -> None:
     assert target["non_embedding"] >= 10 * draft["non_embedding"]
     assert MODELS["target"].n_embd // MODELS["target"].n_head == 64
     assert MODELS["draft"].n_embd // MODELS["draft"].n_head == 64
+
+
+def test_a_resumed_run_equals_an_uninterrupted_one(tokens: np.ndarray, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(STEPS, steps=6, save_every=3, schedule="wsd", decay_frac=0.5)
+    torch.set_num_threads(cfg.threads)
+    whole = build(TINY, 0, seen=tokens)
+    train(whole, tokens, cfg, progress=False)
+    ckpt = tmp_path / "run.pt"
+    first = build(TINY, 0, seen=tokens)
+    train(first, tokens, dataclasses.replace(cfg, steps=3), progress=False, checkpoint=ckpt)
+    resumed = build(TINY, 0, seen=tokens)  # a new process: fresh weights, state from the file
+    stats = train(resumed, tokens, cfg, progress=False, checkpoint=ckpt)
+    assert stats["steps"] == 6 and len(stats["losses"]) == 6
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
+    other = dataclasses.replace(cfg, lr=cfg.lr / 2)
+    with pytest.raises(ValueError, match="another run"):
+        train(build(TINY, 0, seen=tokens), tokens, other, progress=False, checkpoint=ckpt)
+
+
+def test_wsd_schedule_is_flat_then_decays_and_independent_of_length() -> None:
+    cfg = TrainConfig(lr=1.0, warmup=10, schedule="wsd", decay_frac=0.2, min_lr_ratio=0.1)
+    assert lr_at(0, cfg, 100) == pytest.approx(0.1)
+    assert lr_at(10, cfg, 100) == lr_at(79, cfg, 100) == 1.0
+    assert lr_at(80, cfg, 100) == 1.0 and lr_at(90, cfg, 100) == pytest.approx(0.55)
+    assert lr_at(100, cfg, 100) == pytest.approx(0.1)
+    # the stable phase is the same whatever the run's length
+    assert [lr_at(s, cfg, 200) for s in range(80)] == [lr_at(s, cfg, 100) for s in range(80)]
+
+
+def test_frequent_tokens_are_the_compact_rows() -> None:
+    tokens = np.array([5, 5, 5, 7, 9, 9], dtype=np.uint16)
+    assert frequent_tokens(tokens, 2).tolist() == [5, 9]
+    assert frequent_tokens(tokens, 1).tolist() == [5, 7, 9]
