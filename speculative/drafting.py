@@ -108,8 +108,8 @@ class ModelDrafter:
         # leaf) end with the root; they share one batch with the n-gram's guess after the root
         room = self.kv.ctx.n_batch - self.lookahead_len
         pending = self.kv.prepare(committed, max_pending=room)
-        guess = self._guess((), room=self.kv.ctx.n_batch - len(pending)
-                            if self.kv.seqs_free > 0 else 0, batch=len(pending))
+        guess = self._guess((), room=self._room(len(pending)) if self.kv.seqs_free > 0 else 0,
+                            batch=len(pending))
         tokens = pending + guess
         parents: list[Parent] = [COMMIT] * len(pending)
         parents += [len(pending) - 1 + i for i in range(len(guess))]
@@ -129,8 +129,12 @@ class ModelDrafter:
         if missing:
             if len(missing) > self.kv.seqs_free:
                 raise DraftExhausted(f"{len(missing)} nodes, {self.kv.seqs_free} sequences left")
+            # near the end of the window: the tree's nodes and the guesses of earlier batches
+            # may have taken the KV cells that are left
+            if len(missing) > self.kv.cells_free:
+                raise DraftExhausted(f"{len(missing)} nodes, {self.kv.cells_free} KV cells left")
             # paths arrive best-first: the n-gram guesses how the best missing one continues
-            room = self.kv.ctx.n_batch - len(missing)
+            room = self._room(len(missing))
             guess = self._guess(missing[0], room if self.kv.seqs_free > len(missing) else 0,
                                 batch=len(missing))
             tokens = [p[-1] for p in missing] + guess
@@ -143,6 +147,11 @@ class ModelDrafter:
             self._remember_guess(missing[0], guess, slots[len(missing):], out[len(missing):])
         self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
         return [self._cache[p][1] for p in paths]
+
+    def _room(self, batch: int) -> int:
+        """Guess tokens that fit beside a batch of ``batch`` tokens: in the batch, and in the
+        KV cells left (each guess token takes a cell of its own until the step ends)."""
+        return min(self.kv.ctx.n_batch, self.kv.cells_free) - batch
 
     def _guess(self, after: Path, room: int, batch: int) -> list[int]:
         """The n-gram's greedy continuation of ``after``, to decode speculatively (stage 2)

@@ -149,7 +149,7 @@ class Engine:
             committed += tokens
             produced += len(tokens)
             self._feed_ngram(committed)
-            if finish is None and len(committed) > self._n_ctx():
+            if finish is None and len(committed) > self._n_ctx(config):
                 finish = "context"
             run.add(stats)
             yield Step(tokens, stats, finish, origins)
@@ -163,18 +163,19 @@ class Engine:
             n = min(max(budget.max_nodes, self.config.chain_length, 16) + 1,
                     self.target.ctx.n_batch)
             self.verify_cost = measure_verify_cost(self.target.ctx, n)
-            self.target.tokens.clear()
+            self.target.reset()
             log.info("verify cost (ms): %s", _ms(self.verify_cost))
         if self.draft is not None and (self.draft_cost is None or force):
             n = min(budget.max_nodes + self.config.lookahead + 1, self.draft.ctx.n_batch)
             self.draft_cost = measure_verify_cost(self.draft.ctx, n)
-            self.draft.tokens.clear()
+            self.draft.reset()
             log.info("draft cost (ms): %s", _ms(self.draft_cost))
         return self.verify_cost
 
-    def _n_ctx(self) -> int:
+    def _n_ctx(self, config: SpecConfig | None = None) -> int:
         """The usable window: the smaller context, if a draft runs beside the target."""
-        if self.draft is not None and self.config.mode.needs_draft:
+        mode = (config or self.config).mode
+        if self.draft is not None and mode.needs_draft:
             return min(self.target.ctx.n_ctx, self.draft.ctx.n_ctx)
         return self.target.ctx.n_ctx
 
@@ -182,7 +183,7 @@ class Engine:
               rng: np.random.Generator) -> tuple[list[int], list[str], StepStats]:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
-        budget = self._fit(config.budget(), committed)
+        budget = self._fit(config, committed)
         drafter = self._drafter(config) if budget is not None else None
         try:
             if drafter is None or budget is None:
@@ -250,17 +251,23 @@ class Engine:
 
         return ModelDrafter(self.draft, lookahead, config.lookahead, worth)
 
-    def _fit(self, budget: TreeBudget | None, committed: list[int]) -> TreeBudget | None:
-        """Shrink the tree so that it fits both context windows."""
+    def _fit(self, config: SpecConfig, committed: list[int]) -> TreeBudget | None:
+        """Shrink the tree so that it fits the context window; None when only plain fits.
+
+        The target's batch is the pending committed tokens (root included) plus the drafted
+        nodes, each in a KV cell of its own beside the cached ones, so the nodes must fit the
+        ``n_ctx - len(committed)`` cells left, not only the positions: near the end of the
+        window a deep bushy tree would otherwise not find its cells. (The draft's own cells,
+        nodes plus stage-2 guesses, are counted as it decodes: ``ModelDrafter``.)
+        """
+        budget = config.budget()
         if budget is None:
             return None
-        room = self.target.ctx.n_ctx - len(committed)
-        if self.draft is not None:
-            room = min(room, self.draft.ctx.n_ctx - len(committed))
-        depth = min(budget.max_depth, room)
-        if depth < 1:
+        room = self._n_ctx(config) - len(committed)
+        if room < 1:
             return None
-        return dataclasses.replace(budget, max_depth=depth)
+        return dataclasses.replace(budget, max_nodes=min(budget.max_nodes, room),
+                                   max_depth=min(budget.max_depth, room))
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator) -> tuple[Verdict, list[Slot]]:

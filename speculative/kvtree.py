@@ -6,6 +6,10 @@ the cache; every new node carries the ids of all batch leaves below it. That is 
 llama.cpp accepts for a tree in one ``llama_batch``: each sequence then sees exactly its own
 root-to-leaf path at consecutive positions. Committing a path keeps that path's sequence and
 makes it sequence 0 again.
+
+The cache is llama.cpp's *unified* one: ``n_ctx`` cells shared by every sequence. Each committed
+token and each decoded tree node holds one cell (a node on several sequences still holds one),
+so a step's batches must fit the cells left, not just the positions left: ``cells_free``.
 """
 
 from __future__ import annotations
@@ -15,7 +19,7 @@ from collections.abc import Sequence
 
 import numpy as np
 
-from .errors import PromptTooLong, TooManySequences
+from .errors import ContextOverflow, PromptTooLong, TooManySequences
 from .protocols import Context
 
 
@@ -40,11 +44,17 @@ class KVTree:
         self.ctx = ctx
         self.tokens: list[int] = []  # what sequence 0 holds, position by position
         self._next_seq = 1
+        self._nodes = 0  # cells held by this step's uncommitted nodes
 
     @property
     def room(self) -> int:
         """Positions still free in the context window."""
         return self.ctx.n_ctx - len(self.tokens)
+
+    @property
+    def cells_free(self) -> int:
+        """KV cells still free: the window less the committed tokens and this step's nodes."""
+        return self.ctx.n_ctx - len(self.tokens) - self._nodes
 
     @property
     def seqs_free(self) -> int:
@@ -59,6 +69,14 @@ class KVTree:
         self.ctx.seq_keep(0)
         self.ctx.seq_rm(0, len(self.tokens), -1)
         self._next_seq = 1
+        self._nodes = 0
+
+    def reset(self) -> None:
+        """Empty the cache (after someone else, e.g. a cost measurement, used the context)."""
+        self.ctx.clear()
+        self.tokens.clear()
+        self._next_seq = 1
+        self._nodes = 0
 
     def prepare(self, committed: Sequence[int], max_pending: int) -> list[int]:
         """Cache all but the last few ``committed`` tokens; return those (at least the last).
@@ -91,6 +109,9 @@ class KVTree:
         become committed), an earlier index in this batch, or the ``Slot`` of a cached node.
         """
         n = len(tokens)
+        if n > self.cells_free:  # llama.cpp would fail with "failed to find a memory slot"
+            raise ContextOverflow(f"a batch of {n} tokens needs {n} KV cells, but only "
+                                  f"{self.cells_free} of {self.ctx.n_ctx} are free")
         pos, anchor = self._positions(parents)
         is_parent = [False] * n
         for p in parents:
@@ -117,6 +138,8 @@ class KVTree:
         for i in range(n):
             if parents[i] is COMMIT:
                 self.tokens.append(tokens[i])
+            else:
+                self._nodes += 1
         # a slot names one sequence holding the node: 0 for committed tokens, else the first
         # leaf below it
         slots = [Slot(pos[i], seqs[i][0]) for i in range(n)]
@@ -164,6 +187,7 @@ class KVTree:
             self.ctx.seq_rm(slot.seq, -1, -1)
         self.tokens.extend(tokens)
         self._next_seq = 1
+        self._nodes = 0
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

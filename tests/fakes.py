@@ -2,7 +2,7 @@
 
 The fake enforces what llama.cpp enforces (each sequence's batch tokens continue right after its
 last cached position; a token's sequences must all see the same history; batch and sequence
-limits) and computes each token's logits from the tokens its sequences hold, so the tree layout
+limits; the unified KV cache's ``n_ctx`` cells, shared by all sequences) and computes each token's logits from the tokens its sequences hold, so the tree layout
 of ``speculative.kvtree`` is checked by these tests as well as by llama.cpp.
 """
 
@@ -12,6 +12,8 @@ import dataclasses
 from collections.abc import Sequence
 
 import numpy as np
+
+from speculative.errors import LlamaError
 
 
 def logit_table(n_vocab: int, seed: int, sharpness: float = 2.0) -> np.ndarray:
@@ -30,6 +32,15 @@ def table_logits(table: np.ndarray, history: Sequence[int]) -> np.ndarray:
     """Logits after ``history`` (padded on the left with token 0)."""
     a, b = ([0, 0, *history])[-2:]
     return table[a, b]
+
+
+def plain_greedy(table: np.ndarray, prompt: Sequence[int], n: int) -> list[int]:
+    """The target's own greedy continuation, one token at a time: what every mode must emit."""
+    out, text = [], list(prompt)
+    for _ in range(n):
+        text.append(int(np.argmax(table_logits(table, text).astype(np.float32))))
+        out.append(text[-1])
+    return out
 
 
 @dataclasses.dataclass(slots=True)
@@ -60,6 +71,11 @@ class FakeContext:
                ) -> np.ndarray:
         n = len(tokens)
         assert 0 < n <= self.n_batch, "batch size"
+        # llama.cpp's unified cache: n_ctx cells for all sequences together; every batch token
+        # takes a free cell, and a cell held by several sequences is still one cell
+        if len(self.cells) + n > self.n_ctx:
+            raise LlamaError(f"llama_decode failed (1): decode: failed to find a memory slot "
+                             f"for batch of size {n}")
         want = [logits] * n if isinstance(logits, bool) else list(logits)
         last = {}
         for c in self.cells:
