@@ -84,7 +84,24 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", type=_modes, default=list(Mode),
                        help="modes to compare with plain (default: all)")
     add_bench_arguments(bench)
+    gui = sub.add_parser("app", help="open the desktop app (the default without a command)")
+    _app_arguments(gui)
     return parser
+
+
+def _app_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--prompt", help="send this message once the models are loaded")
+    parser.add_argument("--screenshot", type=Path, help="save a PNG of the window, then quit")
+    parser.add_argument("--at-tokens", type=int, default=0,
+                        help="take the screenshot after this many reply tokens (mid-generation)")
+    parser.add_argument("--race", action="store_true",
+                        help="after the reply, race plain decoding against the speculation")
+    parser.add_argument("--theme", choices=("system", "light", "dark"))
+    parser.add_argument("--mode", choices=[m.value for m in Mode], help="speculation mode")
+    parser.add_argument("--temp", type=float, help="sampling temperature (0: greedy)")
+    parser.add_argument("--max-tokens", type=int, help="tokens per reply at most")
+    parser.add_argument("--data-dir", type=Path,
+                        help="keep settings and history here instead of the user's folders")
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -92,9 +109,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
-    if args.command not in ("generate", "bench"):
-        parser.print_help()
-        return 0
+    if args.command in (None, "app"):
+        from app.main import run as run_app
+
+        if args.command is None:
+            args = parser.parse_args(["app"])
+        return run_app(args)
     try:
         return generate(args, sys.stdout)
     except (LlamaError, IncompatibleModels, ContextOverflow, ValueError, OSError) as exc:

@@ -93,6 +93,13 @@ class RunStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
+    def estimated_speedup(self, plain_seconds_per_token: float) -> float:
+        """Speed over plain decoding of the same target, *estimated* without running it: this
+        run's tokens/s times the measured seconds per token of plain decoding (the target's
+        single-token pass plus the loop's own overhead, timed on this machine). The race in the
+        app and ``staged-chat bench`` measure it side by side instead."""
+        return self.tokens_per_second * plain_seconds_per_token
+
     def time_split(self) -> dict[str, float]:
         return {k: sum(getattr(s, f"t_{k}") for s in self.steps)
                 for k in ("draft", "stage2", "verify", "other")}

@@ -36,7 +36,30 @@ def test_speculative_imports_no_qt() -> None:
     assert offenders == []
 
 
+QT = {"PySide6", "PyQt5", "PyQt6", "shiboken6", "pytestqt"}
+
+
+def test_only_the_app_imports_qt() -> None:
+    """The algorithm and the model tools run without a window (CLI, training, benchmarks)."""
+    offenders = [p.relative_to(ROOT) for pkg in ("speculative", "models")
+                 for p in (ROOT / pkg).rglob("*.py") if imported_modules(p) & QT]
+    assert offenders == []
+
+
+def test_the_command_line_does_not_load_qt() -> None:
+    """``staged-chat generate`` and ``bench`` must not pay for Qt (nor need a display)."""
+    import subprocess
+    import sys
+
+    code = ("import sys, app.cli; app.cli.build_parser(); "
+            "print(sorted(m for m in sys.modules if m.startswith('PySide6')))")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
+                         text=True, check=True).stdout.strip()
+    assert out == "[]"
+
+
 def test_the_contract_check_sees_imports() -> None:
     """The checks above must be able to fail."""
     assert "llama_cpp" in imported_modules(BACKEND)
     assert {"numpy", "llama_cpp"} <= imported_modules(BACKEND)
+    assert "PySide6" in imported_modules(ROOT / "app" / "worker.py")

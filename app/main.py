@@ -1,0 +1,135 @@
+"""Start-up: the application object, settings, history, the window; scripted runs.
+
+``staged-chat`` (no subcommand) opens the app on the built-in models. ``staged-chat app
+--prompt TEXT --screenshot PATH`` opens the window, sends the prompt, waits for the reply (or
+``--at-tokens N`` tokens of it, for a picture mid-generation; ``--race`` then races it) and
+saves a picture of the window; the README's screenshots are made this way.
+"""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import logging
+import sys
+from pathlib import Path
+
+from PySide6.QtCore import QTimer
+from PySide6.QtWidgets import QApplication, QWidget
+
+from app.history import History, HistoryError, default_path
+from app.settings import SettingsStore
+from app.ui.main_window import MainWindow
+from app.ui.theme import apply_theme
+
+log = logging.getLogger(__name__)
+
+
+def create_app() -> QApplication:
+    app = QApplication.instance()
+    if app is None:
+        app = QApplication(sys.argv[:1])
+    app.setOrganizationName("Staged Chat")
+    app.setApplicationName("Staged Chat")
+    return app  # type: ignore[return-value]
+
+
+def open_window(data_dir: Path | None, overrides: dict | None = None) -> MainWindow:
+    """The main window with its settings and history (under ``data_dir`` if given)."""
+    app = create_app()
+    store = SettingsStore(data_dir / "settings.ini" if data_dir else None)
+    settings = store.load()
+    if overrides:
+        settings = dataclasses.replace(settings, **overrides).validated()
+        store.save(settings)
+    apply_theme(app, settings.theme)
+    path = data_dir / "history.sqlite3" if data_dir else default_path()
+    history = History(path, create_parent=True)
+    window = MainWindow(store, history)
+    window.stats.apply_palette()
+    window.destroyed.connect(history.close)
+    return window
+
+
+def run(args: argparse.Namespace) -> int:
+    overrides = {k: v for k, v in (("theme", args.theme), ("mode", args.mode),
+                                   ("temperature", args.temp),
+                                   ("max_tokens", args.max_tokens)) if v is not None}
+    app = create_app()
+    try:
+        window = open_window(args.data_dir, overrides)
+    except HistoryError as exc:
+        print(f"staged-chat: error: {exc}", file=sys.stderr)
+        return 2
+    window.show()
+    if args.prompt:
+        Script(window, args).start()
+    code = app.exec()
+    window.history.close()
+    return code
+
+
+class Script:
+    """Drives the window for ``--prompt`` / ``--screenshot`` runs."""
+
+    def __init__(self, window: MainWindow, args: argparse.Namespace) -> None:
+        self.window, self.args = window, args
+        self.tokens = 0
+        self.shot = False
+
+    def start(self) -> None:
+        w = self.window
+        if w.info is not None:
+            self._send()
+        else:
+            w.models_loaded.connect(self._send)
+        w.controller.worker.load_failed.connect(lambda _r: self._finish(1))
+
+    def _send(self) -> None:
+        w = self.window
+        w.models_loaded.disconnect(self._send) if w.info is None else None
+        w.new_conversation()
+        w.reply_finished.connect(self._replied)
+        if self.args.at_tokens:
+            w.controller.worker.step.connect(self._counted)
+        w.send_text(self.args.prompt)
+
+    def _counted(self, ev: object) -> None:
+        self.tokens += len(getattr(ev, "tokens", []))
+        if not self.shot and self.tokens >= self.args.at_tokens:
+            self.shot = True
+            QTimer.singleShot(0, self._shoot_mid)
+
+    def _shoot_mid(self) -> None:
+        self.window._draw()
+        self._save(self.window)
+
+    def _replied(self, _request_id: int) -> None:
+        if self.args.race:
+            self.window.race_done.connect(self._raced)
+            self.window.race()
+            return
+        if not self.shot:
+            self._save(self.window)
+        self._finish(0)
+
+    def _raced(self) -> None:
+        race = self.window.race_window
+        if race is None:
+            self._finish(1)
+            return
+        # the picture: the speculative side done, plain decoding still writing
+        race.leader_finished.connect(lambda: self._save(race))
+        race.replay_finished.connect(lambda: self._finish(0))
+
+    def _save(self, widget: QWidget) -> None:
+        if self.args.screenshot is None:
+            return
+        QApplication.processEvents()
+        self.args.screenshot.parent.mkdir(parents=True, exist_ok=True)
+        widget.grab().save(str(self.args.screenshot))
+        print(self.args.screenshot)
+
+    def _finish(self, code: int) -> None:
+        if self.args.screenshot is not None:
+            QTimer.singleShot(50, lambda: (self.window.close(), QApplication.exit(code)))

@@ -1,0 +1,147 @@
+"""The app's settings: one frozen dataclass, persisted with QSettings.
+
+Every field has a default that suits chatting on a laptop. ``AppSettings`` is plain data (the
+worker and the tests use it without Qt); ``SettingsStore`` reads and writes it through
+``QSettings``, field by field, so a value written by an older version or edited by hand that
+does not parse falls back to its default instead of breaking the start-up.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QSettings
+
+from speculative.backend import ContextConfig
+from speculative.drafting import TreeBudget
+from speculative.engine import Mode, SpecConfig
+from speculative.sampling import SamplingParams
+
+log = logging.getLogger(__name__)
+
+MODE_LABELS: dict[str, str] = {
+    # the user's words for each engine mode, in menu order
+    Mode.PLAIN.value: "Off (target alone)",
+    Mode.CHAIN.value: "Standard speculative (draft chain)",
+    Mode.TREE.value: "Stage 1: draft tree",
+    Mode.STAGED.value: "Stages 1 + 2: draft tree + n-gram",
+    Mode.NGRAM.value: "N-gram tree only",
+}
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class AppSettings:
+    # speculation
+    mode: str = Mode.STAGED.value     # the paper's method is the default
+    max_nodes: int = 16               # tree budget: drafted nodes verified per target pass
+    max_depth: int = 6
+    max_children: int = 4             # branching: candidates per position
+    chain_length: int = 4             # standard speculative decoding
+    lookahead: int = 4                # stage 2: n-gram tokens decoded ahead by the draft
+    adaptive: bool = True             # size each tree by the measured verification cost
+    # sampling: chat defaults (greedy is for benchmarks; people like some variety)
+    temperature: float = 0.7
+    top_k: int = 40
+    top_p: float = 0.95
+    max_tokens: int = 200
+    seed: int = -1                    # -1: a new seed per reply; >= 0 repeats replies exactly
+    # performance
+    threads: int = 0                  # 0: chosen by the thread policy (see app/worker.py)
+    n_ctx: int = 1024                 # capped by the models' trained context
+    # models: empty means the built-in pair
+    target_path: str = ""
+    draft_path: str = ""
+    # display
+    show_origins: bool = True         # colour each token by who proposed it
+    theme: str = "system"             # "system", "light" or "dark"
+
+    def spec(self) -> SpecConfig:
+        budget = TreeBudget(self.max_nodes, self.max_depth, self.max_children)
+        return SpecConfig(mode=Mode(self.mode), tree=budget, chain_length=self.chain_length,
+                          lookahead=self.lookahead, adaptive=self.adaptive)
+
+    def sampling(self, seed: int) -> SamplingParams:
+        return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
+
+    def context(self, threads: int) -> ContextConfig:
+        """Contexts big enough for any tree these settings can ask for (see ``Engine.check``)."""
+        batch = max(self.max_nodes, self.chain_length) + 1 + max(self.lookahead, 0)
+        return ContextConfig(n_ctx=self.n_ctx, n_batch=max(64, batch), n_seq_max=256,
+                             n_threads=threads)
+
+    def model_key(self) -> tuple[Any, ...]:
+        """What, when it changes, needs the models reloaded (the rest applies at once)."""
+        return (self.target_path, self.draft_path, self.n_ctx, self.threads,
+                max(self.max_nodes, self.chain_length) + 1 + max(self.lookahead, 0) > 64)
+
+    def validated(self) -> AppSettings:
+        """Values clamped to what the engine accepts (a hand-edited file may hold anything)."""
+        mode = self.mode if self.mode in MODE_LABELS else AppSettings.mode
+        return dataclasses.replace(
+            self, mode=mode, max_nodes=_clamp(self.max_nodes, 1, 128),
+            max_depth=_clamp(self.max_depth, 1, 32), max_children=_clamp(self.max_children, 1, 16),
+            chain_length=_clamp(self.chain_length, 1, 32), lookahead=_clamp(self.lookahead, 0, 16),
+            temperature=min(max(self.temperature, 0.0), 5.0), top_k=_clamp(self.top_k, 0, 50257),
+            top_p=min(max(self.top_p, 0.01), 1.0), max_tokens=_clamp(self.max_tokens, 1, 4096),
+            seed=max(self.seed, -1), threads=_clamp(self.threads, 0, 256),
+            n_ctx=_clamp(self.n_ctx, 64, 8192),
+            theme=self.theme if self.theme in ("system", "light", "dark") else "system")
+
+
+def _clamp(value: int, low: int, high: int) -> int:
+    return min(max(int(value), low), high)
+
+
+class SettingsStore:
+    """``AppSettings`` in QSettings (the platform's place, or an ini file for tests)."""
+
+    GROUP = "settings"
+
+    def __init__(self, path: Path | None = None) -> None:
+        self._qs = (QSettings(str(path), QSettings.Format.IniFormat) if path is not None
+                    else QSettings())
+
+    def load(self) -> AppSettings:
+        values: dict[str, Any] = {}
+        self._qs.beginGroup(self.GROUP)
+        try:
+            for field in dataclasses.fields(AppSettings):
+                if not self._qs.contains(field.name):
+                    continue
+                raw = self._qs.value(field.name)
+                try:
+                    values[field.name] = _parse(raw, field.default)
+                except (TypeError, ValueError):
+                    log.warning("setting %s=%r ignored: not a %s", field.name, raw,
+                                type(field.default).__name__)
+        finally:
+            self._qs.endGroup()
+        return AppSettings(**values).validated()
+
+    def save(self, settings: AppSettings) -> None:
+        self._qs.beginGroup(self.GROUP)
+        for field in dataclasses.fields(AppSettings):
+            self._qs.setValue(field.name, getattr(settings, field.name))
+        self._qs.endGroup()
+        self._qs.sync()
+
+    def value(self, key: str, default: Any = None) -> Any:
+        """Window geometry and other state that is not a setting."""
+        return self._qs.value(key, default)
+
+    def set_value(self, key: str, value: Any) -> None:
+        self._qs.setValue(key, value)
+
+
+def _parse(raw: Any, default: Any) -> Any:
+    """QSettings' ini backend returns strings: turn them back into the field's type."""
+    if isinstance(default, bool):
+        if isinstance(raw, str):
+            if raw.lower() not in ("true", "false", "1", "0"):
+                raise ValueError(raw)
+            return raw.lower() in ("true", "1")
+        return bool(raw)
+    return type(default)(raw)

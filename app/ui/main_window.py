@@ -1,0 +1,752 @@
+"""The main window: conversations on the left, the chat in the middle, statistics on the right.
+
+It connects what the user asks for to the engine thread (``EngineController``), the history
+(SQLite, on this thread: a message is one short transaction) and the settings; the widgets only
+display. Streamed tokens are buffered and drawn by a 30 Hz timer, so the window's work stays
+the same whether the engine emits a hundred steps per second or thousands.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import logging
+import platform
+import random
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QByteArray, QTimer, Signal
+from PySide6.QtGui import QAction, QCloseEvent, QGuiApplication, QKeySequence
+from PySide6.QtWidgets import (
+    QApplication,
+    QComboBox,
+    QFileDialog,
+    QHBoxLayout,
+    QLabel,
+    QMainWindow,
+    QMessageBox,
+    QPushButton,
+    QSplitter,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.history import (
+    Conversation,
+    History,
+    HistoryError,
+    Message,
+    to_json,
+    to_markdown,
+    write_text_atomic,
+)
+from app.prompting import FORMATS, format_for
+from app.settings import MODE_LABELS, AppSettings, SettingsStore
+from app.ui.chat_view import ChatView, ShownMessage, origin_runs, runs_of
+from app.ui.conversations import ConversationListModel, ConversationPanel
+from app.ui.models_dialog import Downloads, ModelsDialog
+from app.ui.race import RaceWindow
+from app.ui.settings_dialog import SettingsDialog
+from app.ui.stats_panel import StatsPanel
+from app.ui.theme import apply_theme
+from app.ui.widgets import Banner, PromptEdit
+from app.worker import (
+    ChatRequest,
+    EngineController,
+    ModelInfo,
+    RaceResult,
+    ReplyDone,
+    ReplyStarted,
+    StepEvent,
+)
+from speculative.stats import RunStats, StepStats
+
+log = logging.getLogger(__name__)
+
+FRAME_MS = 33  # redraw pace while streaming
+
+
+@dataclasses.dataclass(slots=True)
+class _Pending:
+    """The request the engine is working on."""
+
+    request_id: int
+    conversation_id: int
+    kind: str                        # "reply", "continue" or "race"
+    continued: Message | None = None  # the reply being continued
+    runs: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # not drawn yet
+    dropped: int = 0
+
+
+class MainWindow(QMainWindow):
+    reply_finished = Signal(int)   # request id: a reply was stored (or failed)
+    models_loaded = Signal()
+    race_done = Signal()
+
+    def __init__(self, store: SettingsStore, history: History,
+                 controller: EngineController | None = None) -> None:
+        super().__init__()
+        self.setWindowTitle("Staged Chat")
+        self.store, self.history = store, history
+        self.settings = store.load()
+        self.controller = controller or EngineController(self)
+        self.downloads = Downloads(self)
+        self.info: ModelInfo | None = None
+        self.conversation: Conversation | None = None
+        self.pending: _Pending | None = None
+        self.race_window: RaceWindow | None = None
+        self.settings_dialog: SettingsDialog | None = None
+        self.models_dialog: ModelsDialog | None = None
+        self._build()
+        self._wire()
+        self._frame = QTimer(self)
+        self._frame.setInterval(FRAME_MS)
+        self._frame.timeout.connect(self._draw)
+        self._frame.start()
+        self._restore_geometry()
+        self._reload_list()
+        if history.recovered_from is not None:
+            self.banner.show_message(
+                f"The chat history was damaged ({history.recovery_reason}); it was kept aside "
+                f"as {history.recovered_from.name} and a new one was started.", "warning")
+        items = self.list_model.items
+        if items:
+            self.open_conversation(items[0].id)
+        else:
+            self._show_empty()
+        self.status.setText("Loading models…")
+        self.controller.load(self.settings)
+
+    # ------------------------------------------------------------------ layout
+    def _build(self) -> None:
+        self.list_model = ConversationListModel()
+        self.conversations = ConversationPanel(self.list_model)
+        self.chat = ChatView()
+        self.chat.show_origins = self.settings.show_origins
+        self.banner = Banner()
+        self.input = PromptEdit()
+        self.send_button = QPushButton("Send")
+        self.send_button.setDefault(True)
+        self.send_button.setMinimumWidth(90)
+        self.regenerate_button = QPushButton("Regenerate")
+        self.continue_button = QPushButton("Continue")
+        self.copy_button = QPushButton("Copy")
+        self.race_button = QPushButton("Race")
+        self.race_button.setToolTip("Replay the last prompt with plain decoding and with the "
+                                    "current speculation, side by side (Ctrl+Shift+R)")
+        actions = QHBoxLayout()
+        for b in (self.regenerate_button, self.continue_button, self.copy_button,
+                  self.race_button):
+            actions.addWidget(b)
+        actions.addStretch(1)
+        self.format_label = QLabel()
+        actions.addWidget(self.format_label)
+        entry = QHBoxLayout()
+        entry.addWidget(self.input, 1)
+        entry.addWidget(self.send_button)
+        center = QWidget()
+        col = QVBoxLayout(center)
+        col.setContentsMargins(4, 4, 4, 4)
+        col.addWidget(self.banner)
+        col.addWidget(self.chat, 1)
+        col.addLayout(actions)
+        col.addLayout(entry)
+        self.stats = StatsPanel()
+        self.stats.colour_tokens.setChecked(self.settings.show_origins)
+        split = QSplitter()
+        split.addWidget(self.conversations)
+        split.addWidget(center)
+        split.addWidget(self.stats)
+        split.setStretchFactor(1, 1)
+        split.setSizes([220, 700, 380])
+        self.splitter = split
+        self.setCentralWidget(split)
+        self.mode_combo = QComboBox()
+        for value, label in MODE_LABELS.items():
+            self.mode_combo.addItem(label, value)
+        self.mode_combo.setCurrentIndex(max(0, self.mode_combo.findData(self.settings.mode)))
+        self.mode_combo.setToolTip("Speculation mode: applies from the next step")
+        self.format_combo = QComboBox()
+        for f in FORMATS.values():
+            self.format_combo.addItem(f.label, f.name)
+        self.format_combo.setToolTip("How the conversation is shown to the model (GPT-2 models "
+                                     "are not instruction-tuned)")
+        bar = self.addToolBar("Main")
+        bar.setObjectName("main-toolbar")
+        bar.setMovable(False)
+        bar.addWidget(QLabel(" Speculation: "))
+        bar.addWidget(self.mode_combo)
+        bar.addSeparator()
+        bar.addWidget(QLabel(" Prompt format: "))
+        bar.addWidget(self.format_combo)
+        bar.addSeparator()
+        self.model_label = QLabel(" models: loading…")
+        bar.addWidget(self.model_label)
+        self.status = QLabel()
+        self.statusBar().addWidget(self.status, 1)
+        self._menus()
+        self._set_idle(True)
+
+    def _menus(self) -> None:
+        def action(menu: Any, text: str, slot: Any, shortcut: Any = None) -> QAction:
+            a = QAction(text, self)
+            if shortcut is not None:
+                a.setShortcut(QKeySequence(shortcut))
+            a.triggered.connect(slot)
+            menu.addAction(a)
+            return a
+
+        m = self.menuBar().addMenu("&File")
+        action(m, "New chat", self.new_conversation, QKeySequence.StandardKey.New)
+        action(m, "Rename chat", self.conversations.rename_current, "F2")
+        action(m, "Export chat as Markdown…", lambda: self.export_current("markdown"), "Ctrl+E")
+        action(m, "Export chat as JSON…", lambda: self.export_current("json"))
+        action(m, "Delete chat", self.delete_current)
+        m.addSeparator()
+        action(m, "Quit", self.close, QKeySequence.StandardKey.Quit)
+        m = self.menuBar().addMenu("&Chat")
+        self.stop_action = action(m, "Stop", self.stop, "Esc")
+        action(m, "Regenerate", self.regenerate, "Ctrl+R")
+        action(m, "Continue", self.continue_reply, "Ctrl+Shift+Return")
+        action(m, "Copy last reply", self.copy_last, "Ctrl+Shift+C")
+        action(m, "Race plain vs speculation", self.race, "Ctrl+Shift+R")
+        action(m, "Search chats", self.conversations.search.setFocus, QKeySequence.StandardKey.Find)
+        m = self.menuBar().addMenu("&Settings")
+        action(m, "Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
+        action(m, "Models…", self.open_models, "Ctrl+M")
+        self.origins_action = action(m, "Colour tokens by origin", self._toggle_origins)
+        self.origins_action.setCheckable(True)
+        self.origins_action.setChecked(self.settings.show_origins)
+        m = self.menuBar().addMenu("&Help")
+        action(m, "About Staged Chat", self.about, "F1")
+
+    def _wire(self) -> None:
+        w = self.controller.worker
+        w.status.connect(self._status)
+        w.loaded.connect(self._loaded)
+        w.load_failed.connect(self._load_failed)
+        w.started.connect(self._started)
+        w.step.connect(self._step)
+        w.finished.connect(self._finished)
+        w.failed.connect(self._failed)
+        w.race_progress.connect(self._race_progress)
+        w.race_finished.connect(self._race_finished)
+        w.compatible.connect(self._compatibility)
+        self.input.submitted.connect(self.send)
+        self.send_button.clicked.connect(self._send_or_stop)
+        self.regenerate_button.clicked.connect(self.regenerate)
+        self.continue_button.clicked.connect(self.continue_reply)
+        self.copy_button.clicked.connect(self.copy_last)
+        self.race_button.clicked.connect(self.race)
+        self.mode_combo.currentIndexChanged.connect(self._mode_picked)
+        self.format_combo.currentIndexChanged.connect(self._format_picked)
+        self.stats.show_origins_changed.connect(self._set_origins)
+        self.conversations.selected.connect(self.open_conversation)
+        self.conversations.new_requested.connect(self.new_conversation)
+        self.conversations.delete_requested.connect(self.delete_conversation)
+        self.conversations.search_changed.connect(lambda _q: self._reload_list())
+        self.conversations.export_requested.connect(self.export)
+        self.list_model.renamed.connect(self._rename)
+
+    # ------------------------------------------------------------------ conversations
+    def _reload_list(self) -> None:
+        query = self.conversations.search.text().strip()
+        try:
+            items = self.history.search(query) if query else self.history.conversations()
+        except HistoryError as exc:
+            self.banner.show_message(f"Could not read the chat history: {exc}")
+            return
+        self.list_model.set_items(items)
+        if self.conversation is not None:
+            self.conversations.select(self.conversation.id)
+
+    def _format(self) -> str:
+        if self.conversation is not None and self.conversation.prompt_format in FORMATS:
+            return self.conversation.prompt_format
+        builtin = self.info.builtin if self.info else not self.settings.target_path
+        return format_for(builtin).name
+
+    def new_conversation(self) -> None:
+        if self.pending is not None:
+            self.stop()
+        self.conversation = None
+        self._show_empty()
+        self.input.setFocus()
+
+    def _ensure_conversation(self, first_text: str) -> Conversation:
+        if self.conversation is None:
+            title = " ".join(first_text.split())[:60] or "New chat"
+            self.conversation = self.history.create_conversation(
+                title, model=self.info.target if self.info else "", prompt_format=self._format(),
+                settings=dataclasses.asdict(self.settings))
+            self._reload_list()
+        return self.conversation
+
+    def open_conversation(self, conversation_id: int) -> None:
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            return
+        if self.pending is not None:
+            self.stop()
+        try:
+            self.conversation = self.history.conversation(conversation_id)
+            messages = self.history.messages(conversation_id)
+        except (HistoryError, KeyError) as exc:
+            self.banner.show_message(f"Could not open that chat: {exc}")
+            return
+        fmt = FORMATS.get(self.conversation.prompt_format, FORMATS[self._format()])
+        self.chat.show_messages([_shown(m) for m in messages], fmt.monospace)
+        self._sync_format_widgets()
+        self.conversations.select(conversation_id)
+        self.stats.new_conversation(sum(len(m.tokens) for m in messages))
+        last = next((m for m in reversed(messages) if m.role == "assistant"), None)
+        self.stats.show_run(_run_of(last) if last else RunStats())
+        self._set_idle(self.pending is None)
+
+    def delete_conversation(self, conversation_id: int) -> None:
+        answer = QMessageBox.question(self, "Delete chat", "Delete this chat and its messages?")
+        if answer != QMessageBox.StandardButton.Yes:
+            return
+        if self.pending is not None and self.pending.conversation_id == conversation_id:
+            self.stop()
+        self.history.delete_conversation(conversation_id)
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.conversation = None
+            self._show_empty()
+        self._reload_list()
+
+    def delete_current(self) -> None:
+        if self.conversation is not None:
+            self.delete_conversation(self.conversation.id)
+
+    def _rename(self, conversation_id: int, title: str) -> None:
+        self.history.rename_conversation(conversation_id, title)
+        if self.conversation is not None and self.conversation.id == conversation_id:
+            self.conversation = self.history.conversation(conversation_id)
+        self._reload_list()
+
+    def export_current(self, kind: str) -> None:
+        if self.conversation is not None:
+            self.export(self.conversation.id, kind)
+
+    def export(self, conversation_id: int, kind: str, path: str | None = None) -> None:
+        conv = self.history.conversation(conversation_id)
+        suffix = ".md" if kind == "markdown" else ".json"
+        if path is None:
+            safe = "".join(c if c.isalnum() or c in "-_ " else "_" for c in conv.title)[:50]
+            path, _ = QFileDialog.getSaveFileName(self, "Export chat", str(Path.home() / (
+                (safe.strip() or "chat") + suffix)))
+            if not path:
+                return
+        messages = self.history.messages(conversation_id)
+        text = to_markdown(conv, messages) if kind == "markdown" else to_json(conv, messages)
+        try:
+            write_text_atomic(path, text)
+        except (HistoryError, OSError) as exc:
+            self.banner.show_message(f"Could not export: {exc}")
+            return
+        self.status.setText(f"Exported to {path}")
+
+    def _show_empty(self) -> None:
+        fmt = FORMATS[self._format()]
+        self.chat.show_messages([], fmt.monospace)
+        self.stats.new_conversation()
+        self.stats.show_run(RunStats())
+        self._sync_format_widgets()
+        self._set_idle(self.pending is None)
+
+    def _sync_format_widgets(self) -> None:
+        fmt = FORMATS[self._format()]
+        self.format_combo.blockSignals(True)
+        self.format_combo.setCurrentIndex(max(0, self.format_combo.findData(fmt.name)))
+        self.format_combo.blockSignals(False)
+        self.format_label.setText(f"format: {fmt.label}")
+        self.input.setPlaceholderText(
+            "Start some Python for the model to complete, e.g. def fibonacci(n):  "
+            "— Enter sends, Shift+Enter adds a line" if fmt.name == "code" else
+            "Message the model — Enter sends, Shift+Enter adds a line")
+
+    # ------------------------------------------------------------------ requests
+    def _send_or_stop(self) -> None:
+        if self.pending is not None:
+            self.stop()
+        else:
+            self.send()
+
+    def send_text(self, text: str) -> int | None:
+        """Send ``text`` as the user (what pressing Enter does); returns the request id."""
+        self.input.setPlainText(text)
+        return self.send()
+
+    def send(self) -> int | None:
+        if self.pending is not None:
+            return None
+        text = self.input.toPlainText()
+        if not text.strip():
+            return None
+        fmt = FORMATS[self._format()]
+        if fmt.name == "code" and not text.endswith("\n"):
+            text += "\n"  # Enter ends the line: the model writes the next one
+        try:
+            conv = self._ensure_conversation(text)
+            message = self.history.add_message(conv.id, "user", text)
+        except HistoryError as exc:
+            self.banner.show_message(f"Could not save the message: {exc}")
+            return None
+        self.input.clear()
+        self.chat.add_message(_shown(message))
+        return self._request("reply")
+
+    def regenerate(self) -> None:
+        if self.pending is not None or self.conversation is None:
+            return
+        messages = self.history.messages(self.conversation.id)
+        if not messages or messages[-1].role != "assistant":
+            return
+        self.history.delete_message(messages[-1].id)
+        self.chat.drop_last()
+        self._request("reply")
+
+    def continue_reply(self) -> None:
+        if self.pending is not None or self.conversation is None:
+            return
+        messages = self.history.messages(self.conversation.id)
+        if not messages or messages[-1].role != "assistant":
+            return
+        self._request("continue", continued=messages[-1])
+
+    def _request(self, kind: str, continued: Message | None = None) -> int | None:
+        assert self.conversation is not None
+        messages = self.history.messages(self.conversation.id)
+        if kind == "race":
+            while messages and messages[-1].role != "user":
+                messages.pop()
+        if not messages:
+            return None
+        seed = self.settings.seed if self.settings.seed >= 0 else random.randrange(2**31)
+        request = ChatRequest(self.controller.new_id(),
+                              tuple((m.role, m.text) for m in messages), self._format(),
+                              self.settings, seed, continuing=kind == "continue")
+        self.pending = _Pending(request.request_id, self.conversation.id, kind, continued)
+        self._set_idle(False)
+        if kind == "race":
+            self.race_window = RaceWindow(FORMATS[self._format()].monospace, self)
+            self.race_window.show()
+            self.controller.race(request)
+        else:
+            self.chat.begin_reply(continuing=kind == "continue")
+            self.stats.begin_reply(self.settings.mode)
+            self.controller.generate(request)
+        return request.request_id
+
+    def stop(self) -> None:
+        self.controller.stop()
+
+    def race(self) -> None:
+        if self.pending is None and self.conversation is not None:
+            self._request("race")
+
+    def copy_last(self) -> None:
+        text = self.chat.last_reply_text()
+        if text:
+            QGuiApplication.clipboard().setText(text)
+            self.status.setText("Copied the last reply")
+
+    # ------------------------------------------------------------------ worker signals
+    def _status(self, text: str) -> None:
+        self.status.setText(text)
+
+    def _loaded(self, info: ModelInfo) -> None:
+        self.info = info
+        draft = info.draft or "none"
+        self.model_label.setText(f" target: {info.target} · draft: {draft} · "
+                                 f"{info.n_ctx}-token window · {info.threads} threads ")
+        one = info.verify_ms.get(1)
+        note = (f"Speedup is estimated against plain decoding of the same target, timed on "
+                f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
+                f"tokens/s" + (f"; one target pass {one:.1f} ms" if one else "") + "). "
+                "Race measures it side by side.")
+        self.stats.set_plain_speed(info.plain_seconds_per_token, note)
+        if self.conversation is None:
+            self._sync_format_widgets()
+        if self.banner.kind == "error" and "load" in self.banner.text().lower():
+            self.banner.hide()
+        self.models_loaded.emit()
+
+    def _load_failed(self, reason: str) -> None:
+        self.banner.show_message(f"Could not load the models: {reason}")
+        if self.info is None:
+            self.model_label.setText(" no model loaded ")
+
+    def _started(self, ev: ReplyStarted) -> None:
+        if self.pending is None or ev.request_id != self.pending.request_id:
+            return
+        self.pending.dropped = ev.dropped
+        if ev.dropped:
+            self.banner.show_message(
+                f"This chat is longer than the model's {self.info.n_ctx if self.info else ''}"
+                f"-token window: the oldest {ev.dropped} message(s) were left out of the "
+                "prompt.", "warning")
+        if self.pending.kind != "race":
+            self.stats.begin_reply(ev.mode)
+
+    def _step(self, ev: StepEvent) -> None:
+        if self.pending is None or ev.request_id != self.pending.request_id:
+            return
+        self.pending.runs += ev.pieces
+        self.stats.add_step(ev.stats)
+
+    def _draw(self) -> None:
+        if self.pending is not None and self.pending.runs:
+            self.chat.append_runs(self.pending.runs)
+            self.pending.runs = []
+        self.stats.refresh()
+
+    def _finished(self, done: ReplyDone) -> None:
+        pending = self.pending
+        if pending is None or done.request_id != pending.request_id:
+            return
+        self._draw()
+        self.pending = None
+        if pending.kind == "continue" and pending.continued is not None:
+            old = pending.continued
+            text = old.text + done.text
+            runs = runs_of(old.text, old.stats.get("origin_runs", [])) + _runs(done)
+            tokens, origins = old.tokens + done.tokens, old.origins + done.origins
+            run = RunStats(mode=done.mode, steps=_run_of(old).steps + done.run.steps)
+        else:
+            text, runs, tokens, origins, run = (done.text, _runs(done), done.tokens,
+                                                done.origins, done.run)
+        stats = {**run.summary(), "origin_runs": origin_runs(runs), "format": self._format()}
+        if self.info is not None and run.steps:
+            stats["estimated_speedup"] = run.estimated_speedup(self.info.plain_seconds_per_token)
+        try:
+            message = self.history.add_message(pending.conversation_id, "assistant", text,
+                                               tokens=tokens, origins=origins,
+                                               finish=done.finish, stats=stats, mode=done.mode)
+            if pending.continued is not None:
+                self.history.delete_message(pending.continued.id)
+        except (HistoryError, ValueError) as exc:
+            self.banner.show_message(f"Could not save the reply: {exc}")
+            message = None
+        if self.conversation is not None and self.conversation.id == pending.conversation_id:
+            self.chat.end_reply(footer(stats, done.mode, done.finish))
+            if message is not None:
+                self.chat.messages[-1].created = message.created
+        if done.finish == "context":
+            self.banner.show_message("The reply reached the end of the context window. The "
+                                     "next message will leave out the oldest turns.", "warning")
+        self._reload_list()
+        self._set_idle(True)
+        self.reply_finished.emit(done.request_id)
+
+    def _failed(self, request_id: int, reason: str) -> None:
+        pending = self.pending
+        if pending is None or request_id != pending.request_id:
+            return
+        self.pending = None
+        if pending.kind == "race":
+            if self.race_window is not None:
+                self.race_window.failed(reason)
+        else:
+            self._draw()
+            shown = self.chat.messages[-1] if self.chat.messages else None
+            partial = "".join(t for t, _ in shown.runs) if shown and shown.role == "assistant" \
+                else ""
+            if partial and pending.kind == "reply":  # keep what was written before the failure
+                self.history.add_message(pending.conversation_id, "assistant", partial,
+                                         finish="error", stats={"error": reason})
+                self.chat.end_reply(f"stopped by an error: {reason}")
+            elif pending.kind == "reply":
+                self.chat.drop_last()
+            else:
+                self.chat.end_reply("")
+        self.banner.show_message(reason)
+        self._set_idle(True)
+        self.reply_finished.emit(request_id)
+
+    def _race_progress(self, request_id: int, mode: str, tokens: int) -> None:
+        if self.race_window is not None and self.pending and self.pending.request_id == \
+                request_id:
+            self.race_window.progress(mode, tokens)
+
+    def _race_finished(self, result: RaceResult) -> None:
+        if self.pending is None or result.request_id != self.pending.request_id:
+            return
+        self.pending = None
+        self._set_idle(True)
+        if self.race_window is not None and self.conversation is not None:
+            messages = self.history.messages(self.conversation.id)
+            while messages and messages[-1].role != "user":
+                messages.pop()
+            prompt = messages[-1].text if messages else ""
+            self.race_window.show_result(result, prompt)
+        self.race_done.emit()
+
+    def _compatibility(self, target: str, verdicts: dict) -> None:
+        if self.models_dialog is not None:
+            self.models_dialog.show_compatibility(target, verdicts)
+
+    # ------------------------------------------------------------------ settings
+    def apply_settings(self, settings: AppSettings) -> None:
+        old, self.settings = self.settings, settings.validated()
+        self.store.save(self.settings)
+        self.controller.update_settings(self.settings)  # the running reply, from its next step
+        if old.theme != self.settings.theme:
+            apply_theme(QApplication.instance(), self.settings.theme)
+            self.stats.apply_palette()
+            self.chat.set_show_origins(self.chat.show_origins)
+        self.mode_combo.blockSignals(True)
+        self.mode_combo.setCurrentIndex(max(0, self.mode_combo.findData(self.settings.mode)))
+        self.mode_combo.blockSignals(False)
+        if self.settings_dialog is not None:
+            self.settings_dialog.set_settings(self.settings)
+        if (old.target_path, old.draft_path) != (self.settings.target_path,
+                                                 self.settings.draft_path):
+            self.info = None
+            self.model_label.setText(" models: loading… ")
+            self.controller.load(self.settings)
+
+    def _mode_picked(self) -> None:
+        mode = self.mode_combo.currentData()
+        if mode != self.settings.mode:
+            self.apply_settings(dataclasses.replace(self.settings, mode=mode))
+
+    def _format_picked(self) -> None:
+        name = self.format_combo.currentData()
+        if self.conversation is not None and name != self.conversation.prompt_format:
+            self.conversation = self.history.update_conversation(self.conversation.id,
+                                                                  prompt_format=name)
+            self.chat.monospace = FORMATS[name].monospace
+            self.chat.set_show_origins(self.chat.show_origins)
+        self._sync_format_widgets()
+
+    def _set_origins(self, on: bool) -> None:
+        self.chat.set_show_origins(on)
+        self.origins_action.setChecked(on)
+        if on != self.settings.show_origins:
+            self.apply_settings(dataclasses.replace(self.settings, show_origins=on))
+
+    def _toggle_origins(self) -> None:
+        self.stats.colour_tokens.setChecked(self.origins_action.isChecked())
+
+    def open_settings(self) -> None:
+        if self.settings_dialog is None:
+            self.settings_dialog = SettingsDialog(self.settings, self)
+            self.settings_dialog.changed.connect(self.apply_settings)
+        self.settings_dialog.show()
+        self.settings_dialog.raise_()
+
+    def open_models(self) -> None:
+        self.models_dialog = ModelsDialog(self.downloads, self.settings.target_path,
+                                          self.settings.draft_path, self)
+        self.models_dialog.check_requested.connect(self.controller.check_drafts)
+        self.models_dialog.chosen.connect(self._models_chosen)
+        self.models_dialog.show()
+        self.models_dialog._refresh_choice()
+
+    def _models_chosen(self, target: str, draft: str) -> None:
+        mode = self.settings.mode
+        if target and not draft and mode in ("chain", "tree", "staged"):
+            mode = "ngram"  # no draft: the n-gram model can still speculate
+        self.apply_settings(dataclasses.replace(self.settings, target_path=target,
+                                                draft_path=draft, mode=mode))
+
+    def about(self) -> None:
+        QMessageBox.about(self, "About Staged Chat", about_text(self.info))
+
+    # ------------------------------------------------------------------ window
+    def _set_idle(self, idle: bool) -> None:
+        has_reply = bool(self.chat.messages) and self.chat.messages[-1].role == "assistant"
+        self.send_button.setText("Send" if idle else "Stop")
+        self.send_button.setToolTip("Send (Enter)" if idle else "Stop (Esc)")
+        self.regenerate_button.setEnabled(idle and has_reply)
+        self.continue_button.setEnabled(idle and has_reply)
+        self.copy_button.setEnabled(has_reply)
+        self.race_button.setEnabled(idle and any(m.role == "user" for m in self.chat.messages))
+
+    def _restore_geometry(self) -> None:
+        geometry = self.store.value("window/geometry")
+        if isinstance(geometry, QByteArray) and not geometry.isEmpty():
+            self.restoreGeometry(geometry)
+        else:
+            self.resize(1360, 820)
+
+    def closeEvent(self, event: QCloseEvent) -> None:
+        self.store.set_value("window/geometry", self.saveGeometry())
+        self._frame.stop()
+        self.controller.stop()
+        self.controller.shutdown()
+        self.downloads.shutdown()
+        super().closeEvent(event)
+
+
+def _shown(m: Message) -> ShownMessage:
+    if m.role == "assistant":
+        runs = runs_of(m.text, m.stats.get("origin_runs", []))
+        return ShownMessage(m.role, runs, footer(m.stats, m.mode, m.finish or ""), m.created)
+    return ShownMessage(m.role, [(m.text, "target")], "", m.created)
+
+
+def _runs(done: ReplyDone) -> list[tuple[str, str]]:
+    """(text, origin) runs of a finished reply, as streamed."""
+    return [(t, o) for t, o in done.pieces if t]
+
+
+def _run_of(m: Message) -> RunStats:
+    """A stored reply's statistics as a RunStats with one summary step (for display only)."""
+    s = m.stats
+    if not s.get("tokens"):
+        return RunStats(mode=m.mode)
+    t = s.get("time", {})
+    origins = s.get("origins", {})
+    step = StepStats(drafted=round(s.get("mean_drafted", 0) * s.get("target_passes", 1)),
+                     accepted=round(s.get("mean_accepted", 0) * s.get("target_passes", 1)),
+                     offered=0, emitted=int(s["tokens"]), origins=dict(origins),
+                     draft_calls=0, stage2_proposed=0, stage2_used=0,
+                     t_draft=t.get("draft", 0.0), t_stage2=t.get("stage2", 0.0),
+                     t_verify=t.get("verify", 0.0), t_other=t.get("other", 0.0))
+    return RunStats(mode=m.mode, steps=[step])
+
+
+def footer(stats: dict[str, Any], mode: str, finish: str) -> str:
+    """The compact statistics line kept under every reply."""
+    if not stats.get("tokens"):
+        return f"{mode} · {finish}" if mode else ""
+    o = stats.get("origins", {})
+    total = max(1, sum(o.values()))
+    parts = [mode, f"{stats['tokens']} tokens", f"{stats.get('tokens_per_second', 0):.0f} tok/s"]
+    if "estimated_speedup" in stats:
+        parts.append(f"≈{stats['estimated_speedup']:.2f}× plain")
+    parts.append(f"τ {stats.get('tau', 0):.2f}")
+    parts.append(f"draft {o.get('draft', 0) / total:.0%} · n-gram {o.get('ngram', 0) / total:.0%}"
+                 f" · target {o.get('target', 0) / total:.0%}")
+    if finish and finish not in ("stop", "length"):
+        parts.append(finish)
+    return "  ·  ".join(parts)
+
+
+def about_text(info: ModelInfo | None) -> str:
+    import importlib.metadata as md
+
+    import numpy
+    import PySide6
+
+    def version(dist: str) -> str:
+        try:
+            return md.version(dist)
+        except md.PackageNotFoundError:
+            return "?"
+
+    lines = [
+        "<h3>Staged Chat " + version("staged-chat") + "</h3>",
+        "<p>Local chat with lossless staged tree speculative decoding (Spector &amp; Ré, 2023) "
+        "on llama.cpp.</p>",
+        f"<p>Python {platform.python_version()} · PySide6 {PySide6.__version__} "
+        f"(Qt {PySide6.QtCore.qVersion()}) · llama-cpp-python {version('llama-cpp-python')} · "
+        f"numpy {numpy.__version__}</p>",
+    ]
+    if info is not None:
+        lines.append(f"<p>Target: {info.target}<br>Draft: {info.draft or 'none'}<br>"
+                     f"{info.n_ctx}-token window, {info.threads} threads</p>"
+                     f"<p><small>llama.cpp: {info.system}</small></p>")
+    return "".join(lines)

@@ -1,0 +1,166 @@
+"""The settings window. Every edit is applied at once: speculation and sampling from the next
+step of the running reply, threads / context / models from the next reply (they reload the
+models). The window only edits an ``AppSettings``; the main window applies and saves it."""
+
+from __future__ import annotations
+
+import dataclasses
+
+from PySide6.QtCore import Signal
+from PySide6.QtWidgets import (
+    QCheckBox,
+    QComboBox,
+    QDialog,
+    QDialogButtonBox,
+    QDoubleSpinBox,
+    QFormLayout,
+    QGroupBox,
+    QLabel,
+    QSpinBox,
+    QVBoxLayout,
+    QWidget,
+)
+
+from app.settings import MODE_LABELS, AppSettings
+
+
+class SettingsDialog(QDialog):
+    changed = Signal(object)  # AppSettings
+
+    def __init__(self, settings: AppSettings, parent: QWidget | None = None) -> None:
+        super().__init__(parent)
+        self.setWindowTitle("Settings")
+        self._settings = settings
+        self._building = True
+        self.mode = QComboBox()
+        for value, label in MODE_LABELS.items():
+            self.mode.addItem(label, value)
+        self.max_nodes = _spin(1, 128, "drafted nodes the target verifies in one pass (upper "
+                                       "bound when adaptive)")
+        self.max_depth = _spin(1, 32, "longest drafted path")
+        self.max_children = _spin(1, 16, "candidates tried per position (1 makes a chain)")
+        self.chain_length = _spin(1, 32, "draft tokens per target pass in standard mode")
+        self.lookahead = _spin(0, 16, "stage 2: n-gram tokens the draft decodes ahead")
+        self.adaptive = QCheckBox("Size each tree by the measured verification cost")
+        self.temperature = _dspin(0.0, 5.0, 0.05, "0 = greedy: exactly the target's own text")
+        self.top_k = _spin(0, 50257, "keep the k most likely tokens (0 = all)")
+        self.top_p = _dspin(0.01, 1.0, 0.01, "nucleus sampling mass (1 = all)")
+        self.max_tokens = _spin(1, 4096, "tokens per reply at most")
+        self.seed = _spin(-1, 2**31 - 1, "-1: a new seed for every reply")
+        self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
+        self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
+        self.n_ctx.setSingleStep(128)
+        self.theme = QComboBox()
+        for value, label in (("system", "Follow the system"), ("light", "Light"),
+                             ("dark", "Dark")):
+            self.theme.addItem(label, value)
+        spec = QGroupBox("Speculation (applies from the next step)")
+        form = QFormLayout(spec)
+        form.addRow("Mode", self.mode)
+        form.addRow("Tree budget (nodes)", self.max_nodes)
+        form.addRow("Tree depth", self.max_depth)
+        form.addRow("Branching", self.max_children)
+        form.addRow("Chain length", self.chain_length)
+        form.addRow("Stage-2 lookahead", self.lookahead)
+        form.addRow(self.adaptive)
+        sampling = QGroupBox("Sampling")
+        form = QFormLayout(sampling)
+        form.addRow("Temperature", self.temperature)
+        form.addRow("Top-k", self.top_k)
+        form.addRow("Top-p", self.top_p)
+        form.addRow("Max tokens", self.max_tokens)
+        form.addRow("Seed", self.seed)
+        perf = QGroupBox("Performance (applies from the next reply)")
+        form = QFormLayout(perf)
+        form.addRow("Threads", self.threads)
+        form.addRow("Context size", self.n_ctx)
+        look = QGroupBox("Appearance")
+        form = QFormLayout(look)
+        form.addRow("Theme", self.theme)
+        note = QLabel("Output stays exact in every mode: at temperature 0 the text is the "
+                      "target's own, token for token; when sampling it follows the target's "
+                      "distribution.")
+        note.setWordWrap(True)
+        buttons = QDialogButtonBox(QDialogButtonBox.StandardButton.Close
+                                   | QDialogButtonBox.StandardButton.RestoreDefaults)
+        buttons.rejected.connect(self.close)
+        buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
+            self._defaults)
+        layout = QVBoxLayout(self)
+        for w in (spec, sampling, perf, look, note, buttons):
+            layout.addWidget(w)
+        self.set_settings(settings)
+        for w in (self.max_nodes, self.max_depth, self.max_children, self.chain_length,
+                  self.lookahead, self.top_k, self.max_tokens, self.seed, self.threads,
+                  self.n_ctx):
+            w.valueChanged.connect(self._edited)
+        for w in (self.temperature, self.top_p):
+            w.valueChanged.connect(self._edited)
+        self.mode.currentIndexChanged.connect(self._edited)
+        self.theme.currentIndexChanged.connect(self._edited)
+        self.adaptive.toggled.connect(self._edited)
+        self._building = False
+
+    def set_settings(self, s: AppSettings) -> None:
+        """Show ``s`` without emitting ``changed``."""
+        building, self._building = self._building, True
+        self._settings = s
+        self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
+        for name in ("max_nodes", "max_depth", "max_children", "chain_length", "lookahead",
+                     "top_k", "max_tokens", "seed", "threads", "n_ctx", "temperature",
+                     "top_p"):
+            getattr(self, name).setValue(getattr(s, name))
+        self.adaptive.setChecked(s.adaptive)
+        self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
+        self._update_enabled()
+        self._building = building
+
+    def settings(self) -> AppSettings:
+        return dataclasses.replace(
+            self._settings, mode=self.mode.currentData(), max_nodes=self.max_nodes.value(),
+            max_depth=self.max_depth.value(), max_children=self.max_children.value(),
+            chain_length=self.chain_length.value(), lookahead=self.lookahead.value(),
+            adaptive=self.adaptive.isChecked(), temperature=self.temperature.value(),
+            top_k=self.top_k.value(), top_p=self.top_p.value(),
+            max_tokens=self.max_tokens.value(), seed=self.seed.value(),
+            threads=self.threads.value(), n_ctx=self.n_ctx.value(),
+            theme=self.theme.currentData()).validated()
+
+    def _edited(self) -> None:
+        if self._building:
+            return
+        self._settings = self.settings()
+        self._update_enabled()
+        self.changed.emit(self._settings)
+
+    def _update_enabled(self) -> None:
+        mode = self.mode.currentData()
+        tree = mode in ("tree", "staged", "ngram")
+        for w in (self.max_nodes, self.max_depth, self.max_children):
+            w.setEnabled(tree)
+        self.chain_length.setEnabled(mode == "chain")
+        self.lookahead.setEnabled(mode == "staged")
+        self.adaptive.setEnabled(mode != "plain")
+
+    def _defaults(self) -> None:
+        keep = {f: getattr(self._settings, f) for f in ("target_path", "draft_path",
+                                                        "show_origins")}
+        self.set_settings(AppSettings(**keep))
+        self._settings = self.settings()
+        self.changed.emit(self._settings)
+
+
+def _spin(low: int, high: int, tip: str) -> QSpinBox:
+    box = QSpinBox()
+    box.setRange(low, high)
+    box.setToolTip(tip)
+    return box
+
+
+def _dspin(low: float, high: float, step: float, tip: str) -> QDoubleSpinBox:
+    box = QDoubleSpinBox()
+    box.setRange(low, high)
+    box.setSingleStep(step)
+    box.setDecimals(2)
+    box.setToolTip(tip)
+    return box

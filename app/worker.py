@@ -1,0 +1,481 @@
+"""The engine's thread: models, generation and races run here, never on the GUI thread.
+
+``EngineWorker`` is a QObject moved to its own QThread (superqt's generator-worker pattern,
+GPT4All's ``ChatLLM`` thread): the GUI asks through queued signals, the worker runs the engine's
+generator and turns every ``Step`` into a signal. Stop is a ``threading.Event`` the GUI sets
+directly (the worker's event loop is busy while it generates) and the engine checks it between
+steps. Settings that change mid-generation are handed over under a lock and applied between
+steps. Every failure becomes a ``failed`` signal with a reason; nothing propagates into Qt.
+
+``EngineController`` lives on the GUI thread: it owns the thread and offers plain methods.
+"""
+
+from __future__ import annotations
+
+import codecs
+import contextlib
+import dataclasses
+import logging
+import os
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from app.prompting import FORMATS, Prompt, build_prompt, find_stop
+from app.settings import AppSettings
+from models.catalog import BUILTIN_NGRAM, builtin_pair
+from speculative.engine import Engine, Mode
+from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
+from speculative.loading import ModelPair, open_pair
+from speculative.ngram import KatzTrigram
+from speculative.stats import RunStats, StepStats
+
+log = logging.getLogger(__name__)
+
+# A sample of plain decoding, timed when models load: the basis of the estimated speedup.
+_CALIBRATION_PROMPT = "def main():\n"
+_CALIBRATION_TOKENS = 24
+
+
+def app_threads(cores: int | None = None) -> int:
+    """llama.cpp threads for the app when the user has not chosen: all cores but one for the
+    window, which streams text and redraws the chart while the engine runs. llama.cpp's
+    threads spin at barriers, and one that shares its core with the busy GUI thread stalls
+    every barrier (decoding slowed 30-60x in measurements); a core of its own avoids that.
+    Measure with ``staged-chat app --throughput-check``."""
+    if cores is None:
+        cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
+                 else os.cpu_count() or 1)
+    return max(1, cores - 1)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ModelInfo:
+    target: str                     # display names
+    draft: str | None
+    target_path: str
+    draft_path: str | None
+    builtin: bool                   # the built-in pair (code models)
+    n_ctx: int
+    threads: int
+    has_ngram: bool
+    plain_seconds_per_token: float  # measured plain decoding, for the estimated speedup
+    verify_ms: dict[int, float]     # the target's measured cost of verifying n tokens
+    load_seconds: float
+    system: str = ""                # llama.cpp's build and CPU features
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ChatRequest:
+    request_id: int
+    messages: tuple[tuple[str, str], ...]  # (role, text), oldest first
+    format: str                             # a key of app.prompting.FORMATS
+    settings: AppSettings
+    seed: int
+    continuing: bool = False                # continue the last (assistant) message
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplyStarted:
+    request_id: int
+    prompt_tokens: int
+    dropped: int          # oldest messages left out of the prompt to fit the window
+    mode: str
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepEvent:
+    request_id: int
+    pieces: list[tuple[str, str]]   # (text, origin) per emitted token; text may be "" while a
+    tokens: list[int]               # multi-byte character is incomplete
+    stats: StepStats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ReplyDone:
+    request_id: int
+    text: str
+    tokens: list[int]
+    origins: list[str]
+    finish: str           # "stop", "length", "context" or "cancelled"
+    run: RunStats
+    mode: str
+    pieces: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # (text, origin)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaceRun:
+    mode: str
+    text: str
+    tokens: list[int]
+    timeline: list[tuple[float, str]]  # (seconds since the run's first step began, text added)
+    run: RunStats
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class RaceResult:
+    request_id: int
+    plain: RaceRun
+    speculative: RaceRun
+
+    @property
+    def identical(self) -> bool:
+        return self.plain.tokens == self.speculative.tokens
+
+    @property
+    def speedup(self) -> float:
+        p, s = self.plain.run.seconds, self.speculative.run.seconds
+        return (p / s) * (self.speculative.run.tokens / max(1, self.plain.run.tokens)) if s else 0.0
+
+
+class _Cancelled(Exception):
+    pass
+
+
+class EngineWorker(QObject):
+    status = Signal(str)            # what the worker is doing, for the status bar
+    loaded = Signal(object)         # ModelInfo
+    load_failed = Signal(str)
+    started = Signal(object)        # ReplyStarted
+    step = Signal(object)           # StepEvent, one per target pass
+    finished = Signal(object)       # ReplyDone
+    failed = Signal(int, str)       # request id, reason
+    race_progress = Signal(int, str, int)  # request id, mode, tokens so far
+    race_finished = Signal(object)  # RaceResult
+    compatible = Signal(str, object)  # target path, {draft path: None or why not}
+
+    def __init__(self) -> None:
+        super().__init__()
+        self._cancel = threading.Event()
+        self._lock = threading.Lock()
+        self._live: AppSettings | None = None  # settings handed over mid-generation
+        self._pair: ModelPair | None = None
+        self._engine: Engine | None = None
+        self._settings: AppSettings | None = None
+        self._info: ModelInfo | None = None
+
+    # --- called from the GUI thread directly (thread-safe) ---
+    def cancel(self) -> None:
+        self._cancel.set()
+
+    def update_settings(self, settings: AppSettings) -> None:
+        """Apply from the next step of the running reply (what the loaded models allow)."""
+        with self._lock:
+            self._live = settings
+
+    # --- slots, run on the worker thread through queued signals ---
+    @Slot(object)
+    def load(self, settings: AppSettings) -> None:
+        self._cancel.clear()
+        try:
+            self._load(settings)
+        except Exception as exc:
+            log.exception("loading models failed")
+            self.load_failed.emit(_reason(exc))
+            self.status.emit("No model loaded" if self._pair is None else "Ready")
+
+    @Slot(object)
+    def generate(self, request: ChatRequest) -> None:
+        self._cancel.clear()
+        try:
+            engine = self._ready(request.settings)
+            prompt = self._prompt(request)
+            self.started.emit(ReplyStarted(request.request_id, len(prompt.tokens),
+                                           prompt.dropped, engine.config.mode.value))
+            self.status.emit("Generating…")
+            done = self._reply(engine, request, prompt)
+            self.finished.emit(done)
+        except Exception as exc:
+            log.exception("generation failed")
+            self.failed.emit(request.request_id, _reason(exc))
+        finally:
+            self.status.emit("Ready" if self._engine is not None else "No model loaded")
+
+    @Slot(object)
+    def race(self, request: ChatRequest) -> None:
+        """Plain decoding, then the current speculation, one after the other (run at once they
+        would share the cores and slow each other down), each timed step by step."""
+        self._cancel.clear()
+        try:
+            engine = self._ready(request.settings)
+            prompt = self._prompt(request)
+            runs = []
+            for mode in (Mode.PLAIN, engine.config.mode):
+                engine.config = dataclasses.replace(request.settings.spec(), mode=mode)
+                self.status.emit(f"Race: {mode.value}…")
+                runs.append(self._race_run(engine, request, prompt, mode.value))
+            engine.config = request.settings.spec()
+            self.race_finished.emit(RaceResult(request.request_id, *runs))
+        except _Cancelled:
+            self.failed.emit(request.request_id, "race stopped")
+        except Exception as exc:
+            log.exception("race failed")
+            self.failed.emit(request.request_id, _reason(exc))
+        finally:
+            if self._engine is not None and self._settings is not None:
+                self._engine.config = self._settings.spec()
+            self.status.emit("Ready" if self._engine is not None else "No model loaded")
+
+    @Slot(str, object)
+    def check_drafts(self, target: str, drafts: list[str]) -> None:
+        """Which drafts share the target's tokenizer (vocabulary-only loads: fast)."""
+        from speculative.backend import LlamaModel
+        from speculative.loading import check_compatible
+
+        verdicts: dict[str, str | None] = {}
+        try:
+            with LlamaModel(_target_path(target), vocab_only=True) as t:
+                for d in drafts:
+                    try:
+                        with LlamaModel(d, vocab_only=True) as m:
+                            check_compatible(t, m)
+                        verdicts[d] = None
+                    except (LlamaError, IncompatibleModels, OSError) as exc:
+                        verdicts[d] = _reason(exc)
+        except (LlamaError, OSError) as exc:
+            verdicts = dict.fromkeys(drafts, f"target: {_reason(exc)}")
+        self.compatible.emit(target, verdicts)
+
+    @Slot()
+    def shutdown(self) -> None:
+        self._close()
+
+    # --- internals ---
+    def _ready(self, settings: AppSettings) -> Engine:
+        """The engine for these settings, reloading models only when they need it."""
+        if self._engine is None or self._settings is None or (
+                settings.model_key() != self._settings.model_key()):
+            self._load(settings)
+        assert self._engine is not None
+        spec = settings.spec()
+        self._engine.check(spec)
+        self._engine.config = spec
+        self._settings = settings
+        with self._lock:
+            self._live = None
+        return self._engine
+
+    def _load(self, settings: AppSettings) -> None:
+        t0 = time.perf_counter()
+        self.status.emit("Loading models…")
+        self._close()
+        builtin = not settings.target_path
+        target, draft = _paths(settings)
+        threads = settings.threads or app_threads()
+        pair = open_pair(target, draft, settings.context(threads))
+        try:
+            ngram = None
+            if BUILTIN_NGRAM.is_file() and pair.target.vocab.n_vocab == 50257:
+                ngram = KatzTrigram.load(BUILTIN_NGRAM)  # GPT-2 token ids: any GPT-2 model
+            engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, settings.spec())
+            self.status.emit("Measuring this machine's speed…")
+            engine.measure_cost()
+            plain = _time_plain(engine, pair)
+        except BaseException:
+            pair.close()
+            raise
+        self._pair, self._engine, self._settings = pair, engine, settings
+        cost = engine.verify_cost
+        self._info = ModelInfo(
+            target=pair.target.name, draft=pair.draft.name if pair.draft else None,
+            target_path=str(target), draft_path=str(draft) if draft else None, builtin=builtin,
+            n_ctx=pair.target_ctx.n_ctx, threads=threads, has_ngram=ngram is not None,
+            plain_seconds_per_token=plain,
+            verify_ms={n: t * 1000 for n, t in zip(cost.sizes, cost.seconds, strict=True)}
+            if cost else {}, load_seconds=time.perf_counter() - t0)
+        self.loaded.emit(self._info)
+        self.status.emit("Ready")
+
+    def _close(self) -> None:
+        if self._pair is not None:
+            self._pair.close()
+        self._pair = self._engine = self._info = None
+
+    def _prompt(self, request: ChatRequest) -> Prompt:
+        assert self._pair is not None
+        vocab = self._pair.target.vocab
+        n_ctx = self._engine.target.ctx.n_ctx if self._engine else self._pair.target_ctx.n_ctx
+        room = min(request.settings.max_tokens, n_ctx // 2)
+        return build_prompt(FORMATS[request.format], request.messages, vocab.tokenize, n_ctx,
+                            room, request.continuing)
+
+    def _steps(self, engine: Engine, request: ChatRequest, prompt: Prompt,
+               run: RunStats) -> Iterator[tuple[list[int], list[str], StepStats, str | None]]:
+        """The engine's steps, with mid-generation settings applied between them."""
+        assert self._pair is not None
+        stop = {self._pair.target.vocab.eos}
+        params = request.settings.sampling(request.seed)
+        steps = engine.generate(prompt.tokens, request.settings.max_tokens, params, stop=stop,
+                                cancel=self._cancel.is_set, run=run)
+        with contextlib.closing(steps):
+            for step in steps:
+                yield step.tokens, step.origins, step.stats, step.finish
+                self._apply_live(engine)
+
+    def _apply_live(self, engine: Engine) -> None:
+        with self._lock:
+            live, self._live = self._live, None
+        if live is None or self._settings is None:
+            return
+        spec = live.spec()
+        try:
+            engine.check(spec)
+        except ValueError as exc:  # needs bigger contexts: applies when the next reply reloads
+            log.info("settings wait for the next reply: %s", exc)
+            return
+        engine.config = spec
+
+    def _reply(self, engine: Engine, request: ChatRequest, prompt: Prompt) -> ReplyDone:
+        assert self._pair is not None
+        vocab = self._pair.target.vocab
+        stops = FORMATS[request.format].stops
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        run = RunStats()
+        text, tokens, origins = "", [], []
+        shown: list[tuple[str, str]] = []
+        finish = "length"
+        for step_tokens, step_origins, stats, step_finish in self._steps(engine, request,
+                                                                         prompt, run):
+            pieces = []
+            for tok, origin in zip(step_tokens, step_origins, strict=True):
+                piece = decoder.decode(vocab.piece(tok))
+                cut = find_stop(text + piece, stops)
+                if cut is not None:  # the reply ends inside this token
+                    pieces.append((piece[:max(0, cut - len(text))], origin))
+                    text = text + piece[:max(0, cut - len(text))]
+                    step_finish = "stop"
+                    break
+                pieces.append((piece, origin))
+                text += piece
+                tokens.append(tok)
+                origins.append(origin)
+            shown += pieces
+            self.step.emit(StepEvent(request.request_id, pieces, step_tokens[:len(pieces)],
+                                     stats))
+            if step_finish is not None:
+                finish = step_finish
+                break
+        tail = decoder.decode(b"", final=True)
+        text += tail
+        shown.append((tail, "target"))
+        return ReplyDone(request.request_id, text, tokens, origins, finish, run,
+                         engine.config.mode.value, shown)
+
+    def _race_run(self, engine: Engine, request: ChatRequest, prompt: Prompt,
+                  mode: str) -> RaceRun:
+        assert self._pair is not None
+        vocab = self._pair.target.vocab
+        run = RunStats()
+        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        timeline: list[tuple[float, str]] = []
+        tokens: list[int] = []
+        elapsed = 0.0
+        for step_tokens, _, stats, finish in self._steps(engine, request, prompt, run):
+            if finish == "cancelled":
+                raise _Cancelled
+            elapsed += stats.seconds  # generation time only, as RunStats counts it
+            timeline.append((elapsed, decoder.decode(b"".join(vocab.piece(t)
+                                                              for t in step_tokens))))
+            tokens += step_tokens
+            self.race_progress.emit(request.request_id, mode, len(tokens))
+        text = "".join(t for _, t in timeline) + decoder.decode(b"", final=True)
+        return RaceRun(mode, text, tokens, timeline, run)
+
+
+def _paths(settings: AppSettings) -> tuple[Path, Path | None]:
+    if settings.target_path:
+        target = Path(settings.target_path)
+        draft = Path(settings.draft_path) if settings.draft_path else None
+        if draft is None and Mode(settings.mode).needs_draft:
+            raise ValueError(f"the mode {settings.mode!r} needs a draft model: choose one in "
+                             f"Models, or pick the n-gram or off mode")
+        return target, draft
+    target, draft = builtin_pair()
+    return target, Path(settings.draft_path) if settings.draft_path else draft
+
+
+def _target_path(target: str) -> Path:
+    return Path(target) if target else builtin_pair()[0]
+
+
+def _time_plain(engine: Engine, pair: ModelPair) -> float:
+    """Seconds per token of plain decoding on this machine (a short greedy sample)."""
+    saved = engine.config
+    engine.config = dataclasses.replace(saved, mode=Mode.PLAIN)
+    run = RunStats()
+    try:
+        prompt = pair.target.vocab.tokenize(_CALIBRATION_PROMPT)
+        for _ in engine.generate(prompt, _CALIBRATION_TOKENS, run=run):
+            pass
+    finally:
+        engine.config = saved
+    return run.seconds / max(1, run.tokens)
+
+
+def _reason(exc: BaseException) -> str:
+    """A message for the user: the exception's own words, with its kind where that helps."""
+    text = str(exc) or type(exc).__name__
+    if isinstance(exc, ContextOverflow | IncompatibleModels | LlamaError | ValueError | OSError):
+        return text
+    return f"{type(exc).__name__}: {text}"
+
+
+class EngineController(QObject):
+    """The GUI thread's handle on the worker: starts its thread, forwards requests."""
+
+    _load = Signal(object)
+    _generate = Signal(object)
+    _race = Signal(object)
+    _check = Signal(str, object)
+    _shutdown = Signal()
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self._load.connect(self.worker.load)
+        self._generate.connect(self.worker.generate)
+        self._race.connect(self.worker.race)
+        self._check.connect(self.worker.check_drafts)
+        self._shutdown.connect(self.worker.shutdown)
+        self.thread.start()
+        self._next_id = 0
+        self.busy = False
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def load(self, settings: AppSettings) -> None:
+        self._load.emit(settings)
+
+    def generate(self, request: ChatRequest) -> None:
+        self._generate.emit(request)
+
+    def race(self, request: ChatRequest) -> None:
+        self._race.emit(request)
+
+    def check_drafts(self, target: str, drafts: list[str]) -> None:
+        self._check.emit(target, drafts)
+
+    def stop(self) -> None:
+        self.worker.cancel()
+
+    def update_settings(self, settings: AppSettings) -> None:
+        self.worker.update_settings(settings)
+
+    def shutdown(self, timeout_ms: int = 30_000) -> bool:
+        """Stop what runs, free the models on their own thread, end the thread."""
+        self.worker.cancel()
+        self._shutdown.emit()
+        self.thread.quit()
+        return self.thread.wait(timeout_ms)
+
+    def info(self) -> Any:
+        return self.worker._info

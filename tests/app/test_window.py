@@ -1,0 +1,172 @@
+"""The desktop app, driven through its signals with the real built-in models (offscreen Qt)."""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import pytest
+
+from app.cli import main as cli_main
+from app.main import open_window
+from app.ui.main_window import MainWindow
+from app.worker import StepEvent
+
+PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
+LOAD_MS = 120_000
+REPLY_MS = 120_000
+
+
+@pytest.fixture()
+def data_dir(tmp_path: Path) -> Path:
+    return tmp_path / "data"
+
+
+def _open(qtbot, data_dir: Path, **overrides) -> MainWindow:
+    settings = {"temperature": 0.0, "max_tokens": 24, "mode": "staged", "seed": 0, **overrides}
+    window = open_window(data_dir, settings)
+    qtbot.addWidget(window)
+    if window.info is None:
+        with qtbot.waitSignal(window.models_loaded, timeout=LOAD_MS):
+            pass
+    return window
+
+
+@pytest.fixture()
+def window(qtbot, data_dir: Path):
+    w = _open(qtbot, data_dir)
+    yield w
+    w.close()
+
+
+def _reply(qtbot, window: MainWindow, text: str) -> list[StepEvent]:
+    """Send ``text`` and wait for the stored reply; the step events that streamed."""
+    steps: list[StepEvent] = []
+    window.controller.worker.step.connect(steps.append)
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        assert window.send_text(text) is not None
+    window.controller.worker.step.disconnect(steps.append)
+    return steps
+
+
+def _last_reply(window: MainWindow):
+    assert window.conversation is not None
+    return window.history.messages(window.conversation.id)[-1]
+
+
+def test_streamed_reply_equals_the_command_line(qtbot, window: MainWindow, capsys) -> None:
+    steps = _reply(qtbot, window, PROMPT)
+    reply = _last_reply(window)
+    assert reply.role == "assistant" and reply.text
+    streamed = "".join(text for ev in steps for text, _ in ev.pieces)
+    assert streamed == reply.text
+    assert window.chat.last_reply_text() == reply.text
+    assert cli_main(["generate", "--json", "--mode", "staged", "-n", "24", "--prompt", PROMPT,
+                     "--threads", "1"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    # the app stops where a new top-level statement starts; until then it is the CLI's text
+    assert cli["text"].startswith(reply.text)
+    assert reply.tokens == cli["tokens"][:len(reply.tokens)]
+    if reply.finish == "length":
+        assert reply.text == cli["text"]
+    assert len(reply.origins) == len(reply.tokens)
+
+
+def test_statistics_arrive_while_the_reply_streams(qtbot, window: MainWindow) -> None:
+    seen_during: list[str] = []
+
+    def peek(_ev: StepEvent) -> None:  # runs on the GUI thread, before the reply is stored
+        window._draw()
+        seen_during.append(window.stats.speed.value.text())
+
+    window.controller.worker.step.connect(peek)
+    _reply(qtbot, window, PROMPT)
+    assert len(seen_during) >= 2
+    assert any(text not in ("", "\u2013") for text in seen_during[1:])  # an en dash: no value yet
+    assert window.stats.run.steps and window.stats.run.tokens == len(_last_reply(window).tokens)
+
+
+def test_stop_mid_generation_keeps_the_partial_reply(qtbot, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, max_tokens=400, mode="tree")
+    first = []
+
+    def stop_after_two(ev: StepEvent) -> None:
+        first.append(ev)
+        if len(first) == 2:
+            window.stop()
+
+    window.controller.worker.step.connect(stop_after_two)
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        window.send_text("class Stack:\n")
+    reply = _last_reply(window)
+    assert reply.finish == "cancelled"
+    assert 0 < len(reply.tokens) < 400
+    assert window.send_button.text() == "Send"  # idle again, and usable:
+    window.controller.worker.step.disconnect(stop_after_two)
+    window.apply_settings(dataclasses.replace(window.settings, max_tokens=8))
+    _reply(qtbot, window, "import os\n")
+    assert _last_reply(window).finish in ("length", "stop")
+    window.close()
+
+
+def test_switching_stages_between_replies_changes_the_statistics(qtbot, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, mode="plain")
+    _reply(qtbot, window, PROMPT)
+    plain = _last_reply(window)
+    assert plain.mode == "plain" and plain.stats["origins"]["draft"] == 0
+    assert plain.stats["tau"] == 1.0
+    window.mode_combo.setCurrentIndex(window.mode_combo.findData("tree"))
+    assert window.settings.mode == "tree"
+    window.regenerate()
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        pass
+    tree = _last_reply(window)
+    assert tree.mode == "tree" and tree.stats["origins"]["draft"] > 0
+    assert tree.stats["tau"] > 1.0
+    assert tree.text == plain.text  # greedy: every mode writes the target's own text
+    window.close()
+
+
+def test_a_race_finishes_with_identical_texts_at_temperature_0(qtbot, window: MainWindow) -> None:
+    _reply(qtbot, window, PROMPT)
+    with qtbot.waitSignal(window.race_done, timeout=REPLY_MS):
+        window.race()
+    race = window.race_window
+    assert race is not None and race.result is not None
+    result = race.result
+    assert result.plain.mode == "plain" and result.speculative.mode == "staged"
+    assert result.identical and result.plain.tokens
+    assert result.speedup > 0
+    with qtbot.waitSignal(race.replay_finished, timeout=60_000):
+        race.finish_now()
+    assert race.left.text.toPlainText().endswith(result.plain.text)
+    assert "identical" in race.verdict.text()
+
+
+def test_history_survives_closing_and_reopening(qtbot, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir)
+    _reply(qtbot, window, PROMPT)
+    reply = _last_reply(window).text
+    window.close()
+    again = _open(qtbot, data_dir)
+    assert [c.title for c in again.list_model.items] == [PROMPT.split("\n")[0] + ' """Return '
+                                                         'the n-th Fibonacci number."""']
+    texts = [again.chat.plain_text_of(i) for i in range(len(again.chat.messages))]
+    assert texts == [PROMPT, reply]
+    again.close()
+
+
+def test_a_corrupt_model_file_shows_an_error_and_the_app_keeps_working(
+        qtbot, window: MainWindow, tmp_path: Path) -> None:
+    bad = tmp_path / "broken.gguf"
+    bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
+    with qtbot.waitSignal(window.controller.worker.load_failed, timeout=LOAD_MS):
+        window.apply_settings(dataclasses.replace(window.settings, target_path=str(bad),
+                                                  draft_path="", mode="ngram"))
+    assert "broken.gguf" in window.banner.text()
+    with qtbot.waitSignal(window.models_loaded, timeout=LOAD_MS):
+        window.apply_settings(dataclasses.replace(window.settings, target_path="",
+                                                  mode="staged"))
+    _reply(qtbot, window, PROMPT)
+    assert _last_reply(window).role == "assistant"
