@@ -17,18 +17,22 @@ from __future__ import annotations
 import ctypes
 import dataclasses
 import logging
+import math
 import os
 import platform
 import struct
 from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 import llama_cpp
 import numpy as np
+from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
 
 from .errors import (
     BatchTooLarge,
     ContextOverflow,
+    ContextTooLarge,
     LlamaError,
     ModelLoadError,
     TooManySequences,
@@ -81,26 +85,206 @@ def default_threads() -> int:
                else os.cpu_count() or 1)
 
 
-def _peek_architecture(path: Path) -> str | None:
-    """``general.architecture`` from the GGUF header, read before llama.cpp sees the file (it
-    is the first key in files written by llama.cpp's tools; None if it is not there)."""
+# GGUF metadata value types (gguf.GGUFValueType): struct formats of the fixed-size ones
+_GGUF_SCALARS = {0: "<B", 1: "<b", 2: "<H", 3: "<h", 4: "<I", 5: "<i", 6: "<f", 7: "<?",
+                 10: "<Q", 11: "<q", 12: "<d"}
+_GGUF_STRING, _GGUF_ARRAY = 8, 9
+_GGML_MAX_DIMS = 4
+_U64 = struct.Struct("<Q")
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class GgufHeader:
+    """A GGUF file's header, walked and bounds-checked in Python before llama.cpp reads it."""
+
+    version: int
+    architecture: str | None
+    context_length: int | None  # ``<architecture>.context_length``: the trained window
+    n_tensors: int
+    size_needed: int  # bytes the header and all tensor data span: at most the file's size
+    metadata: dict[str, Any]  # scalar and string values by key (strings decoded; arrays: None)
+
+
+class _Corrupt(Exception):
+    """Where and how a GGUF header is malformed (turned into ``ModelLoadError``)."""
+
+
+class _NeedMore(Exception):
+    """The header goes on past the bytes read so far."""
+
+
+_HEADER_FIRST_READ = 4 << 20  # bytes read first; more (doubling) if the header goes on
+_HEADER_MAX = 256 << 20  # no real header comes near this (GPT-2's 50k-token vocabulary: 1.8 MB)
+
+
+class _HeaderReader:
+    """A cursor over the first bytes of a file that refuses to read past the file's end."""
+
+    def __init__(self, buf: bytes, file_size: int) -> None:
+        self.buf, self.pos, self.end = buf, 0, file_size
+
+    def _need(self, n: int, what: str) -> None:
+        if self.pos + n > self.end:
+            raise _Corrupt(what)
+        if self.pos + n > len(self.buf):
+            raise _NeedMore
+
+    def unpack(self, fmt: str) -> Any:
+        size = struct.calcsize(fmt)
+        self._need(size, f"the file ends inside its header (at byte {self.pos})")
+        (value,) = struct.unpack_from(fmt, self.buf, self.pos)
+        self.pos += size
+        return value
+
+    def skip(self, n: int, what: str) -> None:
+        self._need(n, f"{what} at byte {self.pos} claims {n} bytes, past the end of the file")
+        self.pos += n
+
+    def string(self, what: str) -> bytes:
+        n = self.unpack("<Q")
+        start = self.pos
+        self.skip(n, what)
+        return bytes(self.buf[start:self.pos])
+
+    def value(self, vtype: int, key: str, depth: int = 0) -> Any:
+        """The value (scalars and strings) or None (arrays, skipped)."""
+        if vtype in _GGUF_SCALARS:
+            return self.unpack(_GGUF_SCALARS[vtype])
+        if vtype == _GGUF_STRING:
+            return self.string(f"string {key!r}")
+        if vtype != _GGUF_ARRAY or depth > 2:
+            raise _Corrupt(f"key {key!r} has unknown value type {vtype}")
+        etype, count = self.unpack("<I"), self.unpack("<Q")
+        if etype in _GGUF_SCALARS:
+            self.skip(count * struct.calcsize(_GGUF_SCALARS[etype]), f"array {key!r}")
+        elif etype == _GGUF_STRING:
+            self._skip_strings(count, key)
+        else:
+            if count > self.end - self.pos:
+                raise _Corrupt(f"array {key!r} claims {count} elements, more than the file holds")
+            for _ in range(count):
+                self.value(etype, key, depth + 1)
+        return None
+
+    def _skip_strings(self, count: int, key: str) -> None:
+        # the tokenizer's 100k strings: a tight loop (~30 ms), not one call per string
+        buf, pos, have, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
+        if count > (self.end - pos) // 8:
+            raise _Corrupt(f"array {key!r} claims {count} strings, more than the file holds")
+        done = 0
+        while done < count and pos + 8 <= have:
+            pos += 8 + unpack(buf, pos)[0]
+            done += 1
+        if done == count and pos <= have:
+            self.pos = pos
+            return
+        if (pos if done == count else pos + 8) > self.end:
+            raise _Corrupt(f"array {key!r} runs past the end of the file")
+        raise _NeedMore
+
+
+def read_gguf_header(path: Path) -> GgufHeader:
+    """Walk the header of the GGUF file at ``path``, checking every length against the file size.
+
+    llama.cpp is handed only files whose header is well formed and whose tensor data all lies
+    inside the file: a truncated download, a corrupt header or random bytes get a
+    ``ModelLoadError`` naming the problem here, in Python, instead of whatever llama.cpp makes
+    of them.
+    """
+    name = path.name
+    # plain reads of a growing prefix, not a memory map: a mapped file that someone truncates
+    # while it is being read kills the process with SIGBUS
     with open(path, "rb") as fh:
-        head = fh.read(4096)
-    if head[:4] != b"GGUF":
-        raise ModelLoadError(f"{path}: not a GGUF file (bad magic)")
+        size = os.fstat(fh.fileno()).st_size
+        buf = fh.read(min(size, _HEADER_FIRST_READ))
+        if buf[:4] != b"GGUF":
+            raise ModelLoadError(f"{name}: not a GGUF file (it starts with {buf[:4]!r}, "
+                                 f"not b'GGUF')")
+        while True:
+            try:
+                return _walk(_HeaderReader(buf, size), name)
+            except _Corrupt as exc:
+                raise ModelLoadError(f"{name}: corrupt or truncated GGUF file: {exc}") from None
+            except _NeedMore:
+                if len(buf) >= min(size, _HEADER_MAX):
+                    raise ModelLoadError(f"{name}: corrupt GGUF file: its header runs past "
+                                         f"{len(buf)} bytes") from None
+                buf += fh.read(min(size, _HEADER_MAX, 2 * len(buf)) - len(buf))
+
+
+def _walk(r: _HeaderReader, name: str) -> GgufHeader:
+    r.pos = 4
+    version = r.unpack("<I")
+    if version not in (2, 3):
+        raise ModelLoadError(f"{name}: GGUF version {version} is not supported "
+                             f"(llama.cpp reads versions 2 and 3)")
+    n_tensors, n_kv = r.unpack("<Q"), r.unpack("<Q")
+    if n_kv > r.end // 13 or n_tensors > r.end // 32:  # the smallest entries: 13 and 32 bytes
+        raise _Corrupt(f"the header claims {n_kv} keys and {n_tensors} tensors, more than "
+                       f"{r.end} bytes can hold")
+    meta: dict[str, Any] = {}
+    for _ in range(n_kv):
+        key = r.string("a key").decode("utf-8", "replace")
+        vtype = r.unpack("<I")
+        value = r.value(vtype, key)
+        meta[key] = value.decode("utf-8", "replace") if isinstance(value, bytes) else value
+    arch = meta.get("general.architecture")
+    arch = arch if isinstance(arch, str) else None
+    alignment = meta.get("general.alignment", 32)
+    if not isinstance(alignment, int) or alignment <= 0 or alignment & (alignment - 1):
+        raise _Corrupt(f"general.alignment is {alignment!r}, not a power of two")
+    data_end = 0
+    for _ in range(n_tensors):
+        tensor = r.string("a tensor name").decode("utf-8", "replace")
+        n_dims = r.unpack("<I")
+        if n_dims > _GGML_MAX_DIMS:
+            raise _Corrupt(f"tensor {tensor!r} has {n_dims} dimensions")
+        dims = [r.unpack("<Q") for _ in range(n_dims)]
+        ttype, offset = r.unpack("<I"), r.unpack("<Q")
+        data_end = max(data_end, offset + _tensor_bytes(tensor, dims, ttype))
+    # tensor data starts at the next multiple of the alignment (a file without tensors, such as
+    # a vocab-only one, may end right after its header)
+    needed = -(-r.pos // alignment) * alignment + data_end if n_tensors else r.pos
+    if needed > r.end:
+        raise _Corrupt(f"the file is {r.end} bytes but its tensor data runs to byte {needed} "
+                       f"(a download or copy cut short?)")
+    context = meta.get(f"{arch}.context_length")
+    return GgufHeader(version, arch, context if isinstance(context, int) else None, n_tensors,
+                      needed, meta)
+
+
+_LLAMA_MAX_LAYERS = 512
+
+
+def check_gpt2_hparams(header: GgufHeader, name: str) -> None:
+    """Refuse GPT-2 hyperparameters on which llama.cpp asserts (aborting the whole process)
+    instead of returning an error; each case below was seen to abort llama.cpp 0.3.36."""
+    meta = header.metadata
+    n_layer = meta.get("gpt2.block_count")
+    if isinstance(n_layer, int) and not 1 <= n_layer <= _LLAMA_MAX_LAYERS:
+        raise ModelLoadError(f"{name}: gpt2.block_count is {n_layer}; llama.cpp takes 1 to "
+                             f"{_LLAMA_MAX_LAYERS} layers")
+    n_embd, n_head = meta.get("gpt2.embedding_length"), meta.get("gpt2.attention.head_count")
+    if isinstance(n_embd, int) and isinstance(n_head, int) and 0 < n_head <= n_embd < 2 * n_head:
+        # one value per head: the attention graph's matrix shapes no longer fit
+        raise ModelLoadError(f"{name}: {n_head} attention heads of {n_embd} values leave "
+                             f"fewer than 2 values per head")
+    eps = meta.get("gpt2.attention.layer_norm_epsilon")
+    if isinstance(eps, float) and not (math.isfinite(eps) and eps >= 0.0):
+        raise ModelLoadError(f"{name}: gpt2.attention.layer_norm_epsilon is {eps}; it must be "
+                             f"a finite number >= 0")
+
+
+def _tensor_bytes(name: str, dims: Sequence[int], ttype: int) -> int:
     try:
-        n_kv = struct.unpack_from("<Q", head, 16)[0]
-        if n_kv == 0:
-            return None
-        (klen,) = struct.unpack_from("<Q", head, 24)
-        key = head[32:32 + klen]
-        (vtype,) = struct.unpack_from("<I", head, 32 + klen)
-        if key != b"general.architecture" or vtype != 8:  # 8: GGUF string
-            return None
-        (vlen,) = struct.unpack_from("<Q", head, 36 + klen)
-        return head[44 + klen:44 + klen + vlen].decode("utf-8", "replace")
-    except struct.error:
-        return None  # too short to tell: llama.cpp will say what is wrong
+        block, type_size = GGML_QUANT_SIZES[GGMLQuantizationType(ttype)]
+    except (ValueError, KeyError):
+        raise _Corrupt(f"tensor {name!r} has unknown type {ttype}") from None
+    n = math.prod(dims)
+    if dims and dims[0] % block:
+        raise _Corrupt(f"tensor {name!r}: row of {dims[0]} values is not a multiple of its "
+                       f"block size {block}")
+    return n // block * type_size
 
 
 class Vocabulary:
@@ -170,17 +354,27 @@ class LlamaModel:
         self._model: llama_cpp.llama_model_p | None = None
         self.path = Path(path)
         if not self.path.is_file():
-            raise ModelLoadError(f"{self.path}: no such file")
-        arch = _peek_architecture(self.path)
-        if architectures is not None and arch is not None and arch not in architectures:
-            raise ModelLoadError(f"{self.path.name} is a {arch!r} model; Staged Chat runs "
+            why = "not a file" if self.path.exists() else "no such file"
+            raise ModelLoadError(f"{self.path}: {why}")
+        self.header = read_gguf_header(self.path)
+        arch = self.header.architecture
+        if architectures is not None and arch not in architectures:
+            what = (f"a {arch!r} model" if arch is not None
+                    else "a GGUF file that names no architecture (no general.architecture key)")
+            raise ModelLoadError(f"{self.path.name} is {what}; Staged Chat runs "
                                  f"{', '.join(architectures)} models")
-        params = llama_cpp.llama_model_default_params()
-        params.vocab_only = vocab_only
+        if arch == "gpt2":
+            check_gpt2_hparams(self.header, self.path.name)
+        params = _with_fields(
+            llama_cpp.llama_model_default_params(), vocab_only=vocab_only,
+            # read the weights into memory rather than mapping the file (AUTO maps it): a mapped
+            # file overwritten in place while loaded (a re-download, `cp` over it) kills the
+            # process with SIGBUS at the next decode; a copy in memory does not care
+            load_mode=llama_cpp.LLAMA_LOAD_MODE_NONE, lazy_mode=llama_cpp.LLAMA_LAZY_MODE_OFF)
         # Q8_0 crashes in the AMX repacked kernels on this CPU family; elsewhere (e.g. ARM)
         # the extra buffer types hold the fast kernels, so only turn them off where needed.
         if _AMX:
-            params.use_extra_bufts = False
+            _with_fields(params, use_extra_bufts=False)
         _take_errors()
         ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -226,37 +420,66 @@ class LlamaModel:
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class ContextConfig:
-    n_ctx: int = 1024        # capped at the model's trained context (GPT-2: learned positions)
+    n_ctx: int = 1024        # the window; never beyond the model's trained context (see fit)
     n_batch: int = 128       # max tokens per decode: a whole tree, or a prompt chunk
     n_seq_max: int = 64      # max sequence ids: one per tree leaf (llama.cpp allows <= 256)
     n_threads: int = 0       # 0: every core this process may use
     flash_attn: bool = False  # off: Q8_0 tree logits then equal sequential decoding exactly
+    # a window beyond the model's trained context (GPT-2's learned positions end there):
+    # True shrinks it to the model's, False refuses it with ContextTooLarge
+    fit: bool = True
+
+    def __post_init__(self) -> None:
+        # llama.cpp reads n_ctx=0 as "the model's" and n_batch=0 as its default: say what you mean
+        if self.n_ctx < 1 or self.n_batch < 1 or self.n_threads < 0:
+            raise ValueError(f"n_ctx and n_batch must be >= 1 and n_threads >= 0: {self}")
+        if not 1 <= self.n_seq_max <= 256:
+            raise ValueError(f"n_seq_max must be in 1..256 (llama.cpp's limit), "
+                             f"got {self.n_seq_max}")
+
+
+def fit_window(config: ContextConfig, n_ctx_train: int, name: str) -> int:
+    """The window a context gets: ``config.n_ctx``, at most the trained context ``n_ctx_train``
+    (0: unknown), or ``ContextTooLarge`` if ``config.fit`` is off."""
+    if n_ctx_train <= 0 or config.n_ctx <= n_ctx_train:
+        return config.n_ctx
+    if not config.fit:
+        raise ContextTooLarge(f"a context of {config.n_ctx} tokens was asked for, but {name} "
+                              f"was trained on {n_ctx_train}: it has no positions beyond them")
+    log.info("%s: context of %d tokens shrunk to the %d it was trained on", name, config.n_ctx,
+             n_ctx_train)
+    return n_ctx_train
+
+
+def _with_fields(params: Any, **values: Any) -> Any:
+    """Set fields of a llama.cpp parameter struct. A ctypes struct takes *any* attribute name
+    silently, so a field renamed between llama.cpp versions would be ignored: refuse it."""
+    names = {name for name, *_ in type(params)._fields_}
+    for name, value in values.items():
+        if name not in names:
+            raise LlamaError(f"{type(params).__name__} has no field {name!r} in this llama.cpp")
+        setattr(params, name, value)
+    return params
 
 
 class LlamaContext:
     """A KV cache plus compute buffers for one model; decodes batches of (token, pos, seq ids)."""
 
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
-        if not 1 <= config.n_seq_max <= 256:
-            raise ValueError(f"n_seq_max must be in 1..256 (llama.cpp's limit), "
-                             f"got {config.n_seq_max}")
         self._ctx: llama_cpp.llama_context_p | None = None
         self.model = model
         self.n_vocab = model.vocab.n_vocab
-        n_ctx = min(config.n_ctx, model.n_ctx_train) if model.n_ctx_train > 0 else config.n_ctx
-        params = llama_cpp.llama_context_default_params()
-        params.n_ctx = n_ctx
-        params.n_batch = params.n_ubatch = config.n_batch
-        params.n_seq_max = config.n_seq_max
-        # llama.cpp reserves outputs for one token per sequence and asserts (aborting the
-        # process) if that exceeds n_outputs_max, whose default is n_batch
-        params.n_outputs_max = max(config.n_batch, config.n_seq_max)
+        n_ctx = fit_window(config, model.n_ctx_train, model.path.name)
         threads = config.n_threads or default_threads()
-        params.n_threads = params.n_threads_batch = threads
-        params.kv_unified = True
-        params.flash_attn_type = (llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
-                                  else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED)
-        params.no_perf = True
+        params = _with_fields(
+            llama_cpp.llama_context_default_params(), n_ctx=n_ctx, n_batch=config.n_batch,
+            n_ubatch=config.n_batch, n_seq_max=config.n_seq_max,
+            # llama.cpp reserves outputs for one token per sequence and asserts (aborting the
+            # process) if that exceeds n_outputs_max, whose default is n_batch
+            n_outputs_max=max(config.n_batch, config.n_seq_max),
+            n_threads=threads, n_threads_batch=threads, kv_unified=True, no_perf=True,
+            flash_attn_type=(llama_cpp.LLAMA_FLASH_ATTN_TYPE_ENABLED if config.flash_attn
+                             else llama_cpp.LLAMA_FLASH_ATTN_TYPE_DISABLED))
         _take_errors()
         ptr = llama_cpp.llama_init_from_model(model.ptr, params)
         if not ptr:
@@ -264,9 +487,12 @@ class LlamaContext:
                              f"{_take_errors() or 'unknown error'}")
         self._ctx = ptr
         self._mem = llama_cpp.llama_get_memory(ptr)
-        # llama.cpp may pad its cache beyond what was asked; positions past the request (and past
-        # GPT-2's learned position embeddings) are refused here
-        self.n_ctx: int = min(llama_cpp.llama_n_ctx(ptr), n_ctx)
+        # llama.cpp pads its cache to a multiple of 256 cells; positions past the request (and
+        # past GPT-2's learned position embeddings) are refused here. The cells are shared by all
+        # sequences (kv_unified), and n_ctx <= n_cells, so whoever keeps a tree within n_ctx
+        # cells (speculative.kvtree) never meets "failed to find a memory slot".
+        self.n_cells: int = llama_cpp.llama_n_ctx(ptr)
+        self.n_ctx: int = min(self.n_cells, n_ctx)
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)

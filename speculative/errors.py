@@ -23,6 +23,10 @@ class ContextOverflow(ValueError):
     """Tokens would land beyond the context window."""
 
 
+class ContextTooLarge(ContextOverflow):
+    """A window beyond the model's trained context (GPT-2 has no positions past it)."""
+
+
 class PromptTooLong(ContextOverflow):
     """The prompt alone does not fit the context window."""
 

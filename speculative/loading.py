@@ -7,7 +7,7 @@ import dataclasses
 import logging
 from pathlib import Path
 
-from .backend import ContextConfig, LlamaContext, LlamaModel
+from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window
 from .errors import IncompatibleModels
 
 log = logging.getLogger(__name__)
@@ -45,16 +45,18 @@ def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:
 def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig) -> ModelPair:
     """Load both models, check they share a tokenizer, and create their contexts.
 
-    Both contexts get the same window (the smaller trained context wins) so that a tree that
-    fits one fits the other.
+    Both contexts get the same window (the smaller trained context wins, or ``ContextTooLarge``
+    if ``config.fit`` is off) so that a tree that fits one fits the other. Whatever fails, what
+    was loaded so far is freed, and models loaded elsewhere are untouched.
     """
     with contextlib.ExitStack() as stack:
         t_model = stack.enter_context(LlamaModel(target))
         d_model = stack.enter_context(LlamaModel(draft)) if draft is not None else None
-        n_ctx = min(config.n_ctx, t_model.n_ctx_train)
+        n_ctx = fit_window(config, t_model.n_ctx_train, t_model.path.name)
         if d_model is not None:
             check_compatible(t_model, d_model)
-            n_ctx = min(n_ctx, d_model.n_ctx_train)
+            n_ctx = fit_window(dataclasses.replace(config, n_ctx=n_ctx), d_model.n_ctx_train,
+                               d_model.path.name)
         config = dataclasses.replace(config, n_ctx=n_ctx)
         t_ctx = stack.enter_context(LlamaContext(t_model, config))
         d_ctx = (stack.enter_context(LlamaContext(d_model, config))

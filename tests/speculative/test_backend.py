@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import ctypes
 import struct
 from pathlib import Path
 
@@ -9,11 +10,13 @@ import numpy as np
 import pytest
 
 from models.gguf_writer import Gpt2Config, Vocab, random_gpt2
-from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+from speculative.backend import ContextConfig, LlamaContext, LlamaModel, _with_fields
 from speculative.errors import (
     BatchTooLarge,
     ContextOverflow,
+    ContextTooLarge,
     IncompatibleModels,
+    LlamaError,
     ModelLoadError,
     TooManySequences,
 )
@@ -106,7 +109,7 @@ def test_bad_files_give_clear_errors(tmp_path: Path, tiny_models) -> None:
         LlamaModel(junk)
     truncated = tmp_path / "truncated.gguf"
     truncated.write_bytes(Path(tiny_models["q8_0-target"]).read_bytes()[:200_000])
-    with pytest.raises(ModelLoadError, match="could not load"):
+    with pytest.raises(ModelLoadError, match="corrupt or truncated GGUF file"):
         LlamaModel(truncated)
     llama = tmp_path / "llama.gguf"
     _write_gguf_header(llama, "llama")
@@ -125,3 +128,35 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path: Path, tiny_models, v
     # and the target is still usable afterwards
     with open_pair(tiny_models["q8_0-target"], None, ContextConfig(n_threads=1, n_ctx=128)) as pair:
         assert pair.target.vocab.tokenize("hello") == [31373]
+
+
+def test_context_window_beyond_the_trained_one(tiny_models) -> None:
+    """By default the window shrinks to the model's trained context (GPT-2 has no positions
+    beyond it); with ``fit=False`` it is refused. (More bad cases: test_model_files.py.)"""
+    with LlamaModel(tiny_models["q8_0-target"]) as model:
+        assert model.n_ctx_train == 256
+        with LlamaContext(model, ContextConfig(n_threads=1, n_ctx=1000, n_batch=16)) as c:
+            assert c.n_ctx == 256
+        with pytest.raises(ContextTooLarge, match="1000 tokens was asked for, but target-q8_0"):
+            LlamaContext(model, ContextConfig(n_threads=1, n_ctx=1000, fit=False))
+
+
+@pytest.mark.parametrize("bad", [{"n_ctx": 0}, {"n_batch": 0}, {"n_threads": -1},
+                                 {"n_seq_max": 0}, {"n_seq_max": 257}])
+def test_context_config_refuses_values_llama_cpp_would_reinterpret(bad) -> None:
+    with pytest.raises(ValueError, match=r">= 1|1\.\.256"):
+        ContextConfig(**bad)
+
+
+def test_parameter_structs_refuse_unknown_fields() -> None:
+    """ctypes structs accept any attribute silently: ``use_mmap`` (gone from llama.cpp's model
+    parameters, now ``load_mode``) would have been ignored without a word."""
+
+    class Params(ctypes.Structure):
+        _fields_ = [("load_mode", ctypes.c_int)]
+
+    params = Params()
+    params.use_mmap = False  # what ctypes alone allows
+    with pytest.raises(LlamaError, match="Params has no field 'use_mmap'"):
+        _with_fields(params, use_mmap=False)
+    assert _with_fields(params, load_mode=7).load_mode == 7

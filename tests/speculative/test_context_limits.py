@@ -177,9 +177,9 @@ def _real_engine(pair: ModelPair, mode: Mode, ngram: KatzTrigram) -> Engine:
 
 @pytest.mark.parametrize("mode", list(Mode))
 def test_real_models_run_every_mode_to_the_end_of_the_window(pair, corpus_ngram, mode) -> None:
-    import llama_cpp  # the test checks the premise: llama.cpp's cache is no bigger than the window
-
-    assert llama_cpp.llama_n_ctx(pair.target_ctx.ptr) == pair.target_ctx.n_ctx == N_CTX
+    # the premise: llama.cpp's cache has no spare cells beyond the window
+    assert pair.target_ctx.n_cells == pair.target_ctx.n_ctx == N_CTX
+    assert pair.draft_ctx.n_cells == N_CTX
     vocab = pair.target.vocab
     prompt = vocab.tokenize("def f():")
     for params in (GREEDY, SAMPLED):
