@@ -9,12 +9,13 @@ saves a picture of the window; the README's screenshots are made this way.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import sys
 from pathlib import Path
 
-from PySide6.QtCore import QTimer
+from PySide6.QtCore import QObject, QTimer
 from PySide6.QtWidgets import QApplication, QWidget
 
 from app.history import History, HistoryError, default_path
@@ -69,10 +70,12 @@ def run(args: argparse.Namespace) -> int:
     return code
 
 
-class Script:
-    """Drives the window for ``--prompt`` / ``--screenshot`` runs."""
+class Script(QObject):
+    """Drives the window for ``--prompt`` / ``--screenshot`` runs (a QObject, so that the
+    window's signals reach it on the GUI thread)."""
 
     def __init__(self, window: MainWindow, args: argparse.Namespace) -> None:
+        super().__init__(window)
         self.window, self.args = window, args
         self.tokens = 0
         self.shot = False
@@ -83,15 +86,19 @@ class Script:
             self._send()
         else:
             w.models_loaded.connect(self._send)
-        w.controller.worker.load_failed.connect(lambda _r: self._finish(1))
+        w.load_failed.connect(self._load_failed)
+
+    def _load_failed(self, _reason: str) -> None:
+        self._finish(1)
 
     def _send(self) -> None:
         w = self.window
-        w.models_loaded.disconnect(self._send) if w.info is None else None
+        with contextlib.suppress(RuntimeError, TypeError):
+            w.models_loaded.disconnect(self._send)
         w.new_conversation()
         w.reply_finished.connect(self._replied)
         if self.args.at_tokens:
-            w.controller.worker.step.connect(self._counted)
+            w.step_shown.connect(self._counted)
         w.send_text(self.args.prompt)
 
     def _counted(self, ev: object) -> None:
@@ -119,8 +126,15 @@ class Script:
             self._finish(1)
             return
         # the picture: the speculative side done, plain decoding still writing
-        race.leader_finished.connect(lambda: self._save(race))
-        race.replay_finished.connect(lambda: self._finish(0))
+        race.leader_finished.connect(self._save_race)
+        race.replay_finished.connect(self._finish_ok)
+
+    def _save_race(self) -> None:
+        if self.window.race_window is not None:
+            self._save(self.window.race_window)
+
+    def _finish_ok(self) -> None:
+        self._finish(0)
 
     def _save(self, widget: QWidget) -> None:
         if self.args.screenshot is None:

@@ -136,6 +136,10 @@ class _Cancelled(Exception):
     pass
 
 
+# what bad input and full windows raise: reported without a traceback in the log
+_EXPECTED = (ContextOverflow, IncompatibleModels, LlamaError, OSError, ValueError)
+
+
 class EngineWorker(QObject):
     status = Signal(str)            # what the worker is doing, for the status bar
     loaded = Signal(object)         # ModelInfo
@@ -173,7 +177,11 @@ class EngineWorker(QObject):
         self._cancel.clear()
         try:
             self._load(settings)
-        except Exception as exc:
+        except _EXPECTED as exc:
+            log.warning("loading models failed: %s", exc)
+            self.load_failed.emit(_reason(exc))
+            self.status.emit("No model loaded" if self._pair is None else "Ready")
+        except Exception as exc:  # a bug: its traceback goes to the log
             log.exception("loading models failed")
             self.load_failed.emit(_reason(exc))
             self.status.emit("No model loaded" if self._pair is None else "Ready")
@@ -189,6 +197,9 @@ class EngineWorker(QObject):
             self.status.emit("Generating…")
             done = self._reply(engine, request, prompt)
             self.finished.emit(done)
+        except _EXPECTED as exc:
+            log.warning("generation failed: %s", exc)
+            self.failed.emit(request.request_id, _reason(exc))
         except Exception as exc:
             log.exception("generation failed")
             self.failed.emit(request.request_id, _reason(exc))

@@ -81,6 +81,8 @@ class _Pending:
 class MainWindow(QMainWindow):
     reply_finished = Signal(int)   # request id: a reply was stored (or failed)
     models_loaded = Signal()
+    load_failed = Signal(str)
+    step_shown = Signal(object)    # a StepEvent of the current reply, on this thread
     race_done = Signal()
 
     def __init__(self, store: SettingsStore, history: History,
@@ -459,7 +461,8 @@ class MainWindow(QMainWindow):
         self.info = info
         draft = info.draft or "none"
         self.model_label.setText(f" target: {info.target} · draft: {draft} · "
-                                 f"{info.n_ctx}-token window · {info.threads} threads ")
+                                 f"{info.n_ctx}-token window · {info.threads} "
+                                 f"thread{'s' if info.threads != 1 else ''} ")
         one = info.verify_ms.get(1)
         note = (f"Speedup is estimated against plain decoding of the same target, timed on "
                 f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
@@ -476,6 +479,7 @@ class MainWindow(QMainWindow):
         self.banner.show_message(f"Could not load the models: {reason}")
         if self.info is None:
             self.model_label.setText(" no model loaded ")
+        self.load_failed.emit(reason)
 
     def _started(self, ev: ReplyStarted) -> None:
         if self.pending is None or ev.request_id != self.pending.request_id:
@@ -494,6 +498,7 @@ class MainWindow(QMainWindow):
             return
         self.pending.runs += ev.pieces
         self.stats.add_step(ev.stats)
+        self.step_shown.emit(ev)
 
     def _draw(self) -> None:
         if self.pending is not None and self.pending.runs:

@@ -72,8 +72,13 @@ class Downloads(QObject):
         self._fetch.connect(self.worker.fetch)
         self.thread.start()
         self.active: set[str] = set()
-        self.worker.done.connect(lambda mid, _p: self.active.discard(mid))
-        self.worker.failed.connect(lambda mid, _r: self.active.discard(mid))
+        # bound methods of this QObject run on its (the GUI) thread; a lambda would run on the
+        # download thread
+        self.worker.done.connect(self._ended)
+        self.worker.failed.connect(self._ended)
+
+    def _ended(self, model_id: str, _detail: str) -> None:
+        self.active.discard(model_id)
 
     def start(self, entry: ModelEntry) -> None:
         if entry.id in self.active:

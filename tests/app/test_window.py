@@ -43,10 +43,10 @@ def window(qtbot, data_dir: Path):
 def _reply(qtbot, window: MainWindow, text: str) -> list[StepEvent]:
     """Send ``text`` and wait for the stored reply; the step events that streamed."""
     steps: list[StepEvent] = []
-    window.controller.worker.step.connect(steps.append)
+    window.step_shown.connect(steps.append)
     with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
         assert window.send_text(text) is not None
-    window.controller.worker.step.disconnect(steps.append)
+    window.step_shown.disconnect(steps.append)
     return steps
 
 
@@ -80,7 +80,7 @@ def test_statistics_arrive_while_the_reply_streams(qtbot, window: MainWindow) ->
         window._draw()
         seen_during.append(window.stats.speed.value.text())
 
-    window.controller.worker.step.connect(peek)
+    window.step_shown.connect(peek)
     _reply(qtbot, window, PROMPT)
     assert len(seen_during) >= 2
     assert any(text not in ("", "\u2013") for text in seen_during[1:])  # an en dash: no value yet
@@ -96,14 +96,14 @@ def test_stop_mid_generation_keeps_the_partial_reply(qtbot, data_dir: Path) -> N
         if len(first) == 2:
             window.stop()
 
-    window.controller.worker.step.connect(stop_after_two)
+    window.step_shown.connect(stop_after_two)
     with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
         window.send_text("class Stack:\n")
     reply = _last_reply(window)
     assert reply.finish == "cancelled"
     assert 0 < len(reply.tokens) < 400
     assert window.send_button.text() == "Send"  # idle again, and usable:
-    window.controller.worker.step.disconnect(stop_after_two)
+    window.step_shown.disconnect(stop_after_two)
     window.apply_settings(dataclasses.replace(window.settings, max_tokens=8))
     _reply(qtbot, window, "import os\n")
     assert _last_reply(window).finish in ("length", "stop")
@@ -161,7 +161,7 @@ def test_a_corrupt_model_file_shows_an_error_and_the_app_keeps_working(
         qtbot, window: MainWindow, tmp_path: Path) -> None:
     bad = tmp_path / "broken.gguf"
     bad.write_bytes(b"GGUF" + bytes(range(256)) * 40)
-    with qtbot.waitSignal(window.controller.worker.load_failed, timeout=LOAD_MS):
+    with qtbot.waitSignal(window.load_failed, timeout=LOAD_MS):
         window.apply_settings(dataclasses.replace(window.settings, target_path=str(bad),
                                                   draft_path="", mode="ngram"))
     assert "broken.gguf" in window.banner.text()
