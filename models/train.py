@@ -64,6 +64,7 @@ class TrainConfig:
     schedule: str = "cosine"
     decay_frac: float = 0.15
     min_count: int = 1           # tokens seen fewer times in training share one embedding row
+    distill: float = 0.0         # weight of KL(teacher || model) in the loss (with --teacher)
     save_every: int = 0          # steps between resumable checkpoints (0: none)
     weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
@@ -147,14 +148,35 @@ class Gpt2(nn.Module):
             x = block(x)
         return self.output_norm(x)  # (B, T, d)
 
-    def forward(self, idx: torch.Tensor, targets: torch.Tensor) -> torch.Tensor:
-        """Mean next-token loss (nats) of the full-vocabulary model; ``idx``, ``targets`` (B, T)."""
-        logits = F.linear(self._hidden(idx), self.token_embd.weight) + self.row_offset
+    def forward(self, idx: torch.Tensor, targets: torch.Tensor,
+                teacher: torch.Tensor | None = None, distill: float = 0.0) -> torch.Tensor:
+        """Mean next-token loss (nats) of the full-vocabulary model; ``idx``, ``targets`` (B, T).
+
+        With ``teacher`` (another model's ``row_log_probs`` of ``idx``, same rows), the loss is
+        ``(1 - distill) * CE + distill * KL(teacher || self)``: a draft trained to match the
+        target's whole distribution agrees with the target's choices more often than one
+        trained on the text alone, and agreement is what speculative decoding is paid in.
+        """
+        logits = self.row_logits(idx)
         rows = self.row_of[targets].reshape(-1)
         # -log p(token) = CE over rows + the row's offset (the shared row's logit was raised by
         # log n_unseen, but the token is only one of those n_unseen)
-        return (F.cross_entropy(logits.reshape(-1, logits.shape[-1]).float(), rows)
-                + self.row_offset[rows].mean())
+        flat = logits.reshape(-1, logits.shape[-1]).float()
+        ce = F.cross_entropy(flat, rows) + self.row_offset[rows].mean()
+        if teacher is None or distill <= 0.0:
+            return ce
+        t = teacher.reshape(-1, teacher.shape[-1])
+        kl = F.kl_div(F.log_softmax(flat, dim=-1), t, log_target=True, reduction="batchmean")
+        return (1.0 - distill) * ce + distill * kl
+
+    def row_logits(self, idx: torch.Tensor) -> torch.Tensor:
+        """Logits over the compact rows (shared row offset included), ``(B, T, rows)``."""
+        return F.linear(self._hidden(idx), self.token_embd.weight) + self.row_offset
+
+    @torch.no_grad()
+    def row_log_probs(self, idx: torch.Tensor) -> torch.Tensor:
+        """log softmax of ``row_logits`` in fp32: a teacher's targets for distillation."""
+        return F.log_softmax(self.row_logits(idx).float(), dim=-1)
 
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``(B, T, n_vocab)``, what llama.cpp computes from the GGUF."""
@@ -228,14 +250,20 @@ def _fit_steps(cfg: TrainConfig, step: int, elapsed: float, step_times: Sequence
 
 
 def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | None = None,
-          progress: bool = True, checkpoint: Path | None = None) -> dict:
+          progress: bool = True, checkpoint: Path | None = None,
+          teacher: Gpt2 | None = None) -> dict:
     """Train in place; returns the run's statistics (steps, tokens, seconds, losses).
 
     With ``checkpoint``, the run saves its whole state there every ``cfg.save_every`` steps and,
     if the file exists, resumes from it first (same batches, same rates: the result equals an
-    uninterrupted run).
+    uninterrupted run). With ``teacher``, the loss mixes in distillation (``cfg.distill``).
     """
     from tqdm import tqdm
+
+    if teacher is not None:
+        if not torch.equal(teacher.row_of, model.row_of):
+            raise ValueError("teacher and student must have the same embedding rows")
+        teacher.eval()
 
     n_ctx, tokens_per_step = model.cfg.n_ctx, cfg.batch_size * model.cfg.n_ctx
     total = cfg.steps or (math.ceil(cfg.tokens / tokens_per_step) if cfg.tokens else None)
@@ -258,7 +286,10 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
             group["lr"] = lr_at(step, cfg, total)
         x, y = next(data_iter)
         with torch.autocast("cpu", dtype=torch.bfloat16):
-            loss = step_fn(x, y)
+            if teacher is None:
+                loss = step_fn(x, y)
+            else:
+                loss = step_fn(x, y, teacher.row_log_probs(x), cfg.distill)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -292,7 +323,7 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
 
 # What must match for a checkpoint to continue a run (the step count may differ: see `schedule`)
 _RUN_IDENTITY = ("batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac",
-                 "weight_decay", "betas", "grad_clip", "seed", "min_count")
+                 "weight_decay", "betas", "grad_clip", "seed", "min_count", "distill")
 
 
 def _save(path: Path, model: Gpt2, opt: torch.optim.Optimizer, cfg: TrainConfig,
@@ -436,20 +467,32 @@ def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig)
     return export(model, out, "q8_0", name=f"staged-chat-{which}-step{state['step']}")
 
 
+def load_teacher(path: Path, seen: np.ndarray) -> Gpt2:
+    """A trained target from its GGUF-sibling checkpoint (``.pt``: see ``run``)."""
+    state = torch.load(path, weights_only=False)
+    cfg = Gpt2Config(**state["model_config"])
+    teacher = build(cfg, 0, seen)
+    teacher.load_state_dict(state["model"])
+    return teacher.eval()
+
+
 def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
-        checkpoint: Path | None = None) -> dict:
+        checkpoint: Path | None = None, teacher_path: Path | None = None) -> dict:
     """Train ``which`` on the corpus (``models.corpus``), export Q8_0 GGUF to ``out`` and write
     metrics beside it. Resumes from the run's checkpoint if one is there."""
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     corpus = load_corpus()
-    model = build(MODELS[which], cfg.seed, seen=frequent_tokens(corpus.train, cfg.min_count))
+    seen = frequent_tokens(corpus.train, cfg.min_count)
+    model = build(MODELS[which], cfg.seed, seen=seen)
     counts = param_counts(model)
     log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
              len(corpus.train), len(corpus.valid))
+    teacher = load_teacher(teacher_path, seen) if teacher_path is not None else None
     stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress,
-                  checkpoint=checkpoint or default_checkpoint(which, cfg))
+                  checkpoint=checkpoint or default_checkpoint(which, cfg), teacher=teacher)
     ckpt = Path(tempfile.gettempdir()) / f"staged-chat-{which}-seed{cfg.seed}.pt"
-    torch.save(model.state_dict(), ckpt)  # export or checks failing must not cost the run
+    # export or checks failing must not cost the run; loadable as a teacher (`load_teacher`)
+    torch.save({"model": model.state_dict(), "model_config": dataclasses.asdict(model.cfg)}, ckpt)
     log.info("trained in %.0f s; checkpoint %s; evaluating", stats["seconds"], ckpt)
     t0 = time.perf_counter()
     valid_loss = evaluate(model, corpus.valid)
@@ -463,6 +506,7 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
     metrics = {
         "which": which, "config": dataclasses.asdict(MODELS[which]),
         "train_config": dataclasses.asdict(cfg), "parameters": counts,
+        "teacher": str(teacher_path) if teacher_path else None,
         **{k: v for k, v in stats.items() if k != "losses"},
         "loss_every_100_steps": [round(float(np.mean(stats["losses"][i:i + 100])), 4)
                                  for i in range(0, len(stats["losses"]), 100)],
@@ -481,7 +525,7 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
 
 
 def parse_args(argv: Sequence[str] | None,
-               ) -> tuple[str, Path, Path | None, bool, TrainConfig]:
+               ) -> tuple[str, Path, Path | None, bool, Path | None, TrainConfig]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
     p.add_argument("--which", choices=sorted(MODELS), required=True)
@@ -501,6 +545,10 @@ def parse_args(argv: Sequence[str] | None,
                    help="steps between resumable checkpoints (0: none)")
     p.add_argument("--checkpoint", type=Path, help="resumable checkpoint file (default: "
                    "~/.cache/staged-chat/train/WHICH-seedN.pt); an existing one is resumed")
+    p.add_argument("--teacher", type=Path,
+                   help="distil from this trained model's checkpoint (.pt), e.g. the target's")
+    p.add_argument("--distill", type=float, default=0.0,
+                   help="weight of KL(teacher || model) in the loss, 0..1 (with --teacher)")
     p.add_argument("--export-checkpoint", action="store_true",
                    help="only export the checkpoint's current weights to --out (no training)")
     p.add_argument("--no-compile", action="store_true")
@@ -512,21 +560,23 @@ def parse_args(argv: Sequence[str] | None,
         a.steps = a.steps or 1
     elif not (a.minutes or a.tokens or a.steps):
         p.error("give --minutes, --tokens or --steps")
-    return a.which, a.out, a.checkpoint, a.export_checkpoint, TrainConfig(
+    if a.distill and a.teacher is None:
+        p.error("--distill needs --teacher")
+    return a.which, a.out, a.checkpoint, a.export_checkpoint, a.teacher, TrainConfig(
         steps=a.steps, minutes=a.minutes, tokens=a.tokens, batch_size=a.batch_size, lr=a.lr,
         warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
         schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
-        save_every=a.save_every)
+        save_every=a.save_every, distill=a.distill)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    which, out, checkpoint, export_only, cfg = parse_args(argv)
+    which, out, checkpoint, export_only, teacher, cfg = parse_args(argv)
     if export_only:
         path = export_checkpoint(which, checkpoint or default_checkpoint(which, cfg), out, cfg)
         print(path)
         return {}
-    metrics = run(which, out, cfg, checkpoint=checkpoint)
+    metrics = run(which, out, cfg, checkpoint=checkpoint, teacher_path=teacher)
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("held_out", "quick_valid")},
                      indent=1))
     return metrics

@@ -131,3 +131,25 @@ def test_frequent_tokens_are_the_compact_rows() -> None:
     tokens = np.array([5, 5, 5, 7, 9, 9], dtype=np.uint16)
     assert frequent_tokens(tokens, 2).tolist() == [5, 9]
     assert frequent_tokens(tokens, 1).tolist() == [5, 7, 9]
+
+
+def test_distillation_pulls_the_student_towards_the_teacher(tokens: np.ndarray) -> None:
+    torch.set_num_threads(STEPS.threads)
+    teacher, _ = trained(tokens)
+    x = torch.from_numpy(tokens[None, :TINY.n_ctx].astype(np.int64))
+
+    def kl_to_teacher(student) -> float:
+        with torch.no_grad():
+            t = teacher.row_log_probs(x)
+            s = torch.log_softmax(student.row_logits(x).float(), dim=-1)
+            return float((t.exp() * (t - s)).sum(-1).mean())
+
+    cfg = dataclasses.replace(STEPS, steps=15, distill=1.0)
+    plain = build(TINY, 3, seen=tokens)
+    train(plain, tokens, dataclasses.replace(cfg, distill=0.0), progress=False)
+    student = build(TINY, 3, seen=tokens)
+    train(student, tokens, cfg, progress=False, teacher=teacher)
+    assert kl_to_teacher(student) < 0.8 * kl_to_teacher(plain)
+    other_rows = build(TINY, 3, seen=tokens[:50])
+    with pytest.raises(ValueError, match="same embedding rows"):
+        train(other_rows, tokens, cfg, progress=False, teacher=teacher)
