@@ -16,6 +16,7 @@ Run ``python -m models.download --list`` or ``python -m models.download ID``.
 from __future__ import annotations
 
 import argparse
+import errno
 import hashlib
 import logging
 import os
@@ -78,6 +79,15 @@ class ChecksumError(DownloadError):
     """The downloaded bytes do not hash to the expected sha256; the bad file was deleted."""
 
 
+class DiskFullError(DownloadError):
+    """Not enough free space for the file (checked first, or the disk filled up while writing);
+    what was written is kept for a later resume."""
+
+
+class CacheNotWritableError(DownloadError):
+    """The cache folder cannot be created or written to (permissions, a file in the way)."""
+
+
 def cached_path(entry: ModelEntry, cache_dir: str | Path | None = None) -> Path | None:
     """The model's local file if it is already there (built-in or in the hub cache), else None.
     Makes no network call."""
@@ -104,7 +114,10 @@ def download(
     (``HF_HUB_CACHE``), ``endpoint`` to ``HF_ENDPOINT`` or huggingface.co. Setting ``cancel`` from
     another thread stops the transfer after the current chunk (``DownloadCancelled``); a read
     blocks at most the hub's download timeout (``HF_HUB_DOWNLOAD_TIMEOUT``, 10 s).
-    Raises ``OfflineError``, ``DownloadInterrupted``, ``ChecksumError`` or ``DownloadError``.
+    Raises ``OfflineError``, ``DownloadInterrupted``, ``DownloadCancelled``, ``ChecksumError``,
+    ``DiskFullError``, ``CacheNotWritableError`` or ``DownloadError``. Whatever fails, only a
+    verified file is ever put where ``cached_path`` looks: partial bytes stay in
+    ``blobs/<etag>.incomplete`` (resumed next time) or are deleted (a checksum mismatch).
     """
     if isinstance(entry, str):
         entry = load_catalog().model(entry)
@@ -125,22 +138,25 @@ def download(
     blob = storage / "blobs" / etag
     pointer = storage / "snapshots" / commit / entry.filename
     lock = cache / ".locks" / storage.name / f"{etag}.lock"
-    blob.parent.mkdir(parents=True, exist_ok=True)
-    lock.parent.mkdir(parents=True, exist_ok=True)
-    with WeakFileLock(lock):
-        if not blob.exists():
-            partial = blob.with_name(f"{etag}.incomplete")
-            _check_disk_space(partial, size)
-            headers = build_hf_headers(token=token)
-            if urlparse(location).netloc != urlparse(url).netloc:
-                headers.pop("authorization", None)  # a signed CDN url: the token stays on the hub
-            _transfer(location, partial, size, headers, progress, cancel)
-            _verify(partial, expected, entry.filename)
-            os.replace(partial, blob)
-        _link(blob, pointer)
-    if entry.revision != commit:
-        (storage / "refs").mkdir(exist_ok=True)
-        (storage / "refs" / entry.revision).write_text(commit)
+    headers = build_hf_headers(token=token)
+    if urlparse(location).netloc != urlparse(url).netloc:
+        headers.pop("authorization", None)  # a signed CDN url: the token stays on the hub
+    try:
+        blob.parent.mkdir(parents=True, exist_ok=True)
+        lock.parent.mkdir(parents=True, exist_ok=True)
+        with WeakFileLock(lock):
+            if not blob.exists():
+                partial = blob.with_name(f"{etag}.incomplete")
+                _check_disk_space(partial, size)
+                _transfer(location, partial, size, headers, progress, cancel)
+                _verify(partial, expected, entry.filename)
+                os.replace(partial, blob)  # atomic: the blob is either absent or verified
+            _link(blob, pointer)
+        if entry.revision != commit:
+            (storage / "refs").mkdir(exist_ok=True)
+            (storage / "refs" / entry.revision).write_text(commit)
+    except OSError as e:  # the cache's file system, not the network (httpx errors are not OSError)
+        raise _cache_error(e, cache) from e
     logger.info("%s is at %s", entry.id, pointer)
     return pointer
 
@@ -231,7 +247,10 @@ def _transfer(
                 done = 0
             with partial.open("ab" if done else "wb") as f:
                 for chunk in response.iter_bytes():
-                    f.write(chunk)
+                    try:
+                        f.write(chunk)
+                    except OSError as e:
+                        raise _cache_error(e, partial.parent, done, size) from e
                     done += len(chunk)
                     _report(progress, done, size)
                     if cancel is not None and cancel.is_set():
@@ -254,10 +273,26 @@ def _check_disk_space(partial: Path, size: int | None) -> None:
     have = partial.stat().st_size if partial.exists() else 0
     free = shutil.disk_usage(partial.parent).free
     if size is not None and size - have > free:
-        raise DownloadError(
+        raise DiskFullError(
             f"not enough disk space in {partial.parent}: {_mb(size - have)} more needed, "
-            f"{_mb(free)} free"
+            f"{_mb(free)} free; free some space or choose another folder (--cache-dir, or the "
+            "HF_HUB_CACHE environment variable)"
         )
+
+
+def _cache_error(e: OSError, folder: Path, done: int | None = None,
+                 size: int | None = None) -> DownloadError:
+    """A readable error for a failed write into the cache (``done`` bytes written so far)."""
+    where = "" if done is None else f" after {_mb(done)} of {_mb(size)}"
+    if e.errno in (errno.ENOSPC, errno.EDQUOT):
+        return DiskFullError(
+            f"the disk holding {folder} is full{where}; free some space and run again to resume "
+            "(what was written is kept)"
+        )
+    return CacheNotWritableError(
+        f"cannot write to the model cache {folder}{where}: {e.strerror or e}; choose a folder "
+        "you can write to (--cache-dir, or the HF_HUB_CACHE environment variable)"
+    )
 
 
 def _verify(partial: Path, expected: str | None, filename: str) -> None:

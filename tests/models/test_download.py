@@ -3,9 +3,12 @@ routes the way huggingface_hub 2.x reads them (HEAD for metadata, ranged GET for
 
 from __future__ import annotations
 
+import collections
+import errno
 import hashlib
 import itertools
 import json
+import os
 import random
 import re
 import shutil
@@ -41,6 +44,7 @@ class FakeHub:
     def __init__(self) -> None:
         self.body = PAYLOAD          # what GET sends; HEAD always describes PAYLOAD
         self.drop_at: int | None = None   # close the connection at this offset, once
+        self.ignore_range = False  # answer ranged GETs with the whole file (200), as some do
         self.pause_at: int | None = None  # stop at this offset until `release` is set
         self.release = threading.Event()
         self.requests: list[tuple[str, str, dict[str, str]]] = []  # method, path, headers
@@ -61,7 +65,7 @@ class FakeHub:
                     return
                 start = 0
                 match = re.fullmatch(r"bytes=(\d+)-", self.headers.get("Range", ""))
-                if match:
+                if match and not hub.ignore_range:
                     start = int(match.group(1))
                     self._headers(206, len(PAYLOAD) - start, start)
                 else:
@@ -216,6 +220,8 @@ def test_cancel_from_another_thread_keeps_the_partial_file_for_resume(
     kept = partial.stat().st_size
     assert 0 < kept <= hub.pause_at
 
+    assert dl.cached_path(tiny(), tmp_path) is None  # the partial file is not the model
+
     path = dl.download(tiny(), cache_dir=tmp_path)
     assert hub.ranges()[-1] == f"bytes={kept}-"
     assert path.read_bytes() == PAYLOAD
@@ -295,6 +301,179 @@ def test_cli_lists_and_downloads(hub: FakeHub, tmp_path: Path, capsys, monkeypat
     assert Path(capsys.readouterr().out.strip()).read_bytes() == PAYLOAD
     assert dl.main(["p"]) == 1  # the pair's built-in draft is missing
     assert "built-in model 'local' is missing" in capsys.readouterr().err
+
+
+# --- faults: each a DownloadError with a readable message, never a partial file as the model ----
+
+
+def partial_file(cache: Path) -> Path:
+    return cache / "models--test-org--tiny-GGUF" / "blobs" / f"{PAYLOAD_SHA}.incomplete"
+
+
+def test_stalled_server_is_an_interruption_and_the_next_call_resumes(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(constants, "HF_HUB_DOWNLOAD_TIMEOUT", 1)  # read at call time
+    hub.pause_at = len(PAYLOAD) // 3  # sends that much, then nothing (until released)
+    with pytest.raises(dl.DownloadInterrupted, match=r"connection lost after \d+ of \d+ bytes"):
+        dl.download(tiny(), cache_dir=tmp_path)
+    kept = partial_file(tmp_path).stat().st_size
+    assert 0 < kept <= hub.pause_at
+    assert dl.cached_path(tiny(), tmp_path) is None
+    hub.release.set()
+
+    path = dl.download(tiny(), cache_dir=tmp_path)
+    assert hub.ranges() == [None, f"bytes={kept}-"]
+    assert path.read_bytes() == PAYLOAD
+
+
+def test_server_that_cannot_resume_starts_over(hub: FakeHub, tmp_path: Path) -> None:
+    hub.drop_at = len(PAYLOAD) // 2
+    with pytest.raises(dl.DownloadInterrupted):
+        dl.download(tiny(), cache_dir=tmp_path)
+    hub.ignore_range = True
+    path = dl.download(tiny(), cache_dir=tmp_path)
+    assert hub.ranges() == [None, f"bytes={len(PAYLOAD) // 2}-"]  # asked, got the whole file
+    assert path.read_bytes() == PAYLOAD  # not the first half twice
+
+
+def test_corrupt_partial_file_is_caught_after_resuming_and_deleted(
+    hub: FakeHub, tmp_path: Path
+) -> None:
+    """A partial file whose bytes are wrong (a disk error, someone else's file) is resumed like
+    any other; the checksum then refuses the result, and nothing is left to be taken for it."""
+    partial = partial_file(tmp_path)
+    partial.parent.mkdir(parents=True)
+    partial.write_bytes(bytes(len(PAYLOAD) // 2))  # zeros instead of the first half
+    with pytest.raises(dl.ChecksumError, match="corrupt"):
+        dl.download(tiny(), cache_dir=tmp_path)
+    assert blobs(tmp_path) == []
+    assert dl.cached_path(tiny(), tmp_path) is None
+    assert dl.download(tiny(), cache_dir=tmp_path).read_bytes() == PAYLOAD
+    assert hub.ranges() == [f"bytes={len(PAYLOAD) // 2}-", None]
+
+
+def test_not_enough_disk_space_is_refused_before_downloading(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys
+) -> None:
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(dl.shutil, "disk_usage", lambda path: usage(10**9, 10**9 - 1000, 1000))
+    with pytest.raises(dl.DiskFullError, match=r"not enough disk space in .*: 3 MB more "
+                                               r"needed, 0 MB free"):
+        dl.download(tiny(), cache_dir=tmp_path)
+    assert hub.ranges() == []
+    assert dl.cached_path(tiny(), tmp_path) is None
+    # the command line says so and exits with 1
+    monkeypatch.setattr(dl, "load_catalog", lambda: _catalog_with_tiny(tmp_path))
+    assert dl.main(["tiny", "--cache-dir", str(tmp_path)]) == 1
+    assert "error: not enough disk space" in capsys.readouterr().err
+
+
+class _FillingDisk:
+    """A file on a disk with ``room`` bytes left: writes what fits, then fails with ENOSPC."""
+
+    def __init__(self, f, room: int) -> None:
+        self.f, self.room = f, room
+
+    def write(self, data: bytes) -> int:
+        if len(data) > self.room:
+            self.f.write(data[:self.room])
+            self.room = 0
+            raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+        self.room -= len(data)
+        return self.f.write(data)
+
+    def __enter__(self) -> _FillingDisk:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.f.close()
+
+
+def test_disk_filling_up_mid_download_keeps_what_fits_for_resume(
+    hub: FakeHub, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    room = 1_000_000 + 17
+    real_open = Path.open
+
+    def open_on_a_full_disk(self: Path, mode: str = "r", *args, **kwargs):
+        f = real_open(self, mode, *args, **kwargs)
+        return _FillingDisk(f, room) if self.suffix == ".incomplete" else f
+
+    monkeypatch.setattr(Path, "open", open_on_a_full_disk)
+    with pytest.raises(dl.DiskFullError, match=r"is full after 1 MB of 3 MB; free some space"):
+        dl.download(tiny(), cache_dir=tmp_path)
+    assert partial_file(tmp_path).stat().st_size == room
+    assert dl.cached_path(tiny(), tmp_path) is None
+
+    monkeypatch.setattr(Path, "open", real_open)  # space freed
+    path = dl.download(tiny(), cache_dir=tmp_path)
+    assert hub.ranges() == [None, f"bytes={room}-"]
+    assert path.read_bytes() == PAYLOAD
+
+
+def _unwritable_folder(tmp_path: Path) -> Path:
+    """A folder nobody can write into. chmod stops everyone but root (and tests in containers
+    often run as root), so root gets a path beneath a regular file, which nobody can create."""
+    folder = tmp_path / "read-only"
+    folder.mkdir()
+    folder.chmod(0o555)
+    try:
+        (folder / "probe").touch()
+    except PermissionError:
+        return folder
+    (folder / "probe").unlink()
+    blocker = tmp_path / "a-regular-file"
+    blocker.write_text("not a folder")
+    return blocker / "cache"
+
+
+@pytest.mark.parametrize("where", ["unwritable", "under-a-file"])
+def test_cache_folder_that_cannot_be_written_is_a_clear_error(
+    hub: FakeHub, tmp_path: Path, where: str
+) -> None:
+    if where == "unwritable":
+        cache = _unwritable_folder(tmp_path)
+    else:
+        (tmp_path / "file").write_text("x")
+        cache = tmp_path / "file" / "cache"
+    with pytest.raises(dl.CacheNotWritableError,
+                       match=r"cannot write to the model cache .*; choose a folder you can "
+                             r"write to \(--cache-dir, or the HF_HUB_CACHE"):
+        dl.download(tiny(), cache_dir=cache)
+    assert hub.ranges() == []  # refused before any byte was fetched
+    assert dl.cached_path(tiny(), cache) is None
+    assert dl.download(tiny(), cache_dir=tmp_path / "writable").read_bytes() == PAYLOAD
+
+
+def test_cancel_before_the_first_byte(hub: FakeHub, tmp_path: Path) -> None:
+    cancel = threading.Event()
+    cancel.set()
+    with pytest.raises(dl.DownloadCancelled, match="before it started"):
+        dl.download(tiny(), cache_dir=tmp_path, cancel=cancel)
+    assert hub.ranges() == []
+    assert dl.cached_path(tiny(), tmp_path) is None
+
+
+def test_every_fault_is_a_download_error() -> None:
+    """Callers (the app, the command line) catch DownloadError alone."""
+    for cls in (dl.OfflineError, dl.DownloadCancelled, dl.DownloadInterrupted, dl.ChecksumError,
+                dl.DiskFullError, dl.CacheNotWritableError):
+        assert issubclass(cls, dl.DownloadError)
+
+
+def _catalog_with_tiny(tmp_path: Path):
+    catalog = tmp_path / "catalog.json"
+    catalog.write_text(json.dumps({
+        "format": 1, "default_pair": "p",
+        "models": [
+            {"id": "tiny", "description": "", "quantization": "Q8_0", "repo_id": REPO,
+             "filename": FILENAME, "revision": "main", "sha256": PAYLOAD_SHA},
+            {"id": "other", "description": "", "quantization": "Q8_0", "path": "x.gguf"},
+        ],
+        "pairs": [{"id": "p", "target": "tiny", "draft": "other"}],
+    }))
+    return load_catalog(catalog)
 
 
 # --- catalog ------------------------------------------------------------------------------------
