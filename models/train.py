@@ -65,6 +65,7 @@ class TrainConfig:
     decay_frac: float = 0.15
     min_count: int = 1           # tokens seen fewer times in training share one embedding row
     distill: float = 0.0         # weight of KL(teacher || model) in the loss (with --teacher)
+    pos_init: str = "normal"     # "sinusoidal": see `sinusoidal_positions_`
     save_every: int = 0          # steps between resumable checkpoints (0: none)
     weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
@@ -323,7 +324,8 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
 
 # What must match for a checkpoint to continue a run (the step count may differ: see `schedule`)
 _RUN_IDENTITY = ("batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac",
-                 "weight_decay", "betas", "grad_clip", "seed", "min_count", "distill")
+                 "weight_decay", "betas", "grad_clip", "seed", "min_count", "distill",
+                 "pos_init")
 
 
 def _save(path: Path, model: Gpt2, opt: torch.optim.Optimizer, cfg: TrainConfig,
@@ -343,7 +345,9 @@ def _resume(path: Path | None, model: Gpt2, opt: torch.optim.Optimizer,
         return {}
     state = torch.load(path, weights_only=False)
     run = {k: getattr(cfg, k) for k in _RUN_IDENTITY}
-    if state["run"] != run or state["model_config"] != dataclasses.asdict(model.cfg):
+    defaults = TrainConfig()
+    saved = {k: state["run"].get(k, getattr(defaults, k)) for k in _RUN_IDENTITY}  # older files
+    if saved != run or state["model_config"] != dataclasses.asdict(model.cfg):
         raise ValueError(f"{path} is a checkpoint of another run: {state['run']} "
                          f"{state['model_config']}; delete it or change --checkpoint")
     if cfg.steps and cfg.steps < state["step"]:
@@ -440,9 +444,33 @@ def check_sequences(tokens: np.ndarray, n_ctx: int, count: int = 4) -> np.ndarra
     return np.stack([tokens[s:s + n_ctx + 1] for s in starts])
 
 
-def build(cfg: Gpt2Config, seed: int, seen: np.ndarray | None = None) -> Gpt2:
+def build(cfg: Gpt2Config, seed: int, seen: np.ndarray | None = None,
+          pos_init: str = "normal") -> Gpt2:
     torch.manual_seed(seed)
-    return Gpt2(cfg, seen)
+    model = Gpt2(cfg, seen)
+    if pos_init == "sinusoidal":
+        sinusoidal_positions_(model)
+    return model
+
+
+@torch.no_grad()
+def sinusoidal_positions_(model: Gpt2) -> None:
+    """Start the learned position table from Vaswani et al.'s sinusoids (still trained).
+
+    Why: to stop indenting, a model of Python in GPT-2's tokens (one token per space) must count
+    the spaces since the line began and compare with the line above, i.e. compute differences
+    of positions. With sinusoids, the table at p - k is a fixed rotation of the table at p, so
+    attending "k tokens back" or "to the last newline" is a linear map from the start; from a
+    random table it has to be learned first. Scaled to GPT-2's init (std 0.02) so that positions
+    do not drown the token embeddings.
+    """
+    n_ctx, d = model.position_embd.weight.shape
+    pos = torch.arange(n_ctx, dtype=torch.float64)[:, None]
+    freq = torch.exp(-math.log(10000.0) * torch.arange(0, d, 2, dtype=torch.float64) / d)
+    table = torch.zeros(n_ctx, d, dtype=torch.float64)
+    table[:, 0::2] = torch.sin(pos * freq)
+    table[:, 1::2] = torch.cos(pos * freq)
+    model.position_embd.weight.copy_((table * 0.02 * math.sqrt(2.0)).float())
 
 
 def frequent_tokens(tokens: np.ndarray, min_count: int) -> np.ndarray:
@@ -483,7 +511,7 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     corpus = load_corpus()
     seen = frequent_tokens(corpus.train, cfg.min_count)
-    model = build(MODELS[which], cfg.seed, seen=seen)
+    model = build(MODELS[which], cfg.seed, seen=seen, pos_init=cfg.pos_init)
     counts = param_counts(model)
     log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
              len(corpus.train), len(corpus.valid))
@@ -545,6 +573,8 @@ def parse_args(argv: Sequence[str] | None,
                    help="steps between resumable checkpoints (0: none)")
     p.add_argument("--checkpoint", type=Path, help="resumable checkpoint file (default: "
                    "~/.cache/staged-chat/train/WHICH-seedN.pt); an existing one is resumed")
+    p.add_argument("--pos-init", choices=("normal", "sinusoidal"), default=defaults.pos_init,
+                   help="start of the position table (sinusoidal: counting indentation is easier)")
     p.add_argument("--teacher", type=Path,
                    help="distil from this trained model's checkpoint (.pt), e.g. the target's")
     p.add_argument("--distill", type=float, default=0.0,
@@ -554,8 +584,6 @@ def parse_args(argv: Sequence[str] | None,
     p.add_argument("--no-compile", action="store_true")
     p.add_argument("--threads", type=int, default=0)
     a = p.parse_args(argv)
-    if not (a.minutes or a.tokens or a.steps):
-        p.error("give --minutes, --tokens or --steps")
     if a.export_checkpoint:
         a.steps = a.steps or 1
     elif not (a.minutes or a.tokens or a.steps):
@@ -566,7 +594,7 @@ def parse_args(argv: Sequence[str] | None,
         steps=a.steps, minutes=a.minutes, tokens=a.tokens, batch_size=a.batch_size, lr=a.lr,
         warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
         schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
-        save_every=a.save_every, distill=a.distill)
+        save_every=a.save_every, distill=a.distill, pos_init=a.pos_init)
 
 
 def main(argv: Sequence[str] | None = None) -> dict:

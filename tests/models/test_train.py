@@ -153,3 +153,15 @@ def test_distillation_pulls_the_student_towards_the_teacher(tokens: np.ndarray) 
     other_rows = build(TINY, 3, seen=tokens[:50])
     with pytest.raises(ValueError, match="same embedding rows"):
         train(other_rows, tokens, cfg, progress=False, teacher=teacher)
+
+
+def test_sinusoidal_positions_are_rotations_at_gpt2_scale() -> None:
+    model = build(TINY, 0, seen=np.arange(64), pos_init="sinusoidal")
+    table = model.position_embd.weight.detach().double()
+    assert abs(float(table.std()) - 0.02) < 0.004
+    # each (sin, cos) pair at p + k is the pair at p rotated by the same angle for every p
+    a, b = table[:, 0::2], table[:, 1::2]
+    angle = torch.atan2(a[5:] * b[:-5] - b[5:] * a[:-5], a[5:] * a[:-5] + b[5:] * b[:-5])
+    assert torch.allclose(angle, angle[0:1].expand_as(angle), atol=1e-6)
+    normal = build(TINY, 0, seen=np.arange(64))
+    assert not torch.allclose(normal.position_embd.weight, model.position_embd.weight)
