@@ -112,6 +112,40 @@ def evaluate_pair(target: Path, draft: Path, tokens: np.ndarray, window: int = 2
                     float(same[target_text].mean()), float(is_text.mean()))
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class IndentEval:
+    """The decisions inside a line's leading spaces (GPT-2 spends one token per space)."""
+
+    continue_accuracy: float  # next token is another space: the model's argmax says so
+    stop_accuracy: float      # next token ends the indentation: the argmax is not a space
+    continue_positions: int
+    stop_positions: int
+
+
+def indentation_decisions(target: Path, tokens: np.ndarray, window: int = 256,
+                          threads: int = 0) -> IndentEval:
+    """How often the target's greedy choice inside leading indentation is right. A model that
+    always says "another space" scores 100% / 0% and writes spaces forever."""
+    config = ContextConfig(n_ctx=window, n_batch=window, n_seq_max=1, n_threads=threads)
+    hits = {"continue": [0, 0], "stop": [0, 0]}
+    with LlamaModel(target) as model, LlamaContext(model, config) as ctx:
+        space, newline = model.vocab.tokenize(" ")[0], model.vocab.tokenize("\n")[0]
+        for start in range(0, len(tokens) - window - 1, window):
+            seq = tokens[start:start + window + 1].tolist()
+            best = _window_logits(ctx, seq[:-1]).argmax(axis=1)
+            inside = False  # in the run of spaces that starts a line
+            for i, tok in enumerate(seq[:-1]):
+                inside = tok == newline or (inside and tok == space)
+                nxt = seq[i + 1]
+                if not inside or nxt == newline:
+                    continue
+                kind = "continue" if nxt == space else "stop"
+                hits[kind][0] += int((best[i] == space) == (kind == "continue"))
+                hits[kind][1] += 1
+    (c, nc), (st, ns) = hits["continue"], hits["stop"]
+    return IndentEval(c / max(1, nc), st / max(1, ns), nc, ns)
+
+
 def load_prompts(path: Path = PROMPTS) -> list[str]:
     """Prompts separated by lines holding only ``---``, each ending with a newline."""
     text = path.read_text("utf-8")
@@ -225,8 +259,10 @@ def main(argv: list[str] | None = None) -> int:
 
     valid = load_corpus().valid[: args.tokens + 1].astype(np.int64)
     result = evaluate_pair(args.target, args.draft, valid, args.window, args.threads)
+    indent = indentation_decisions(args.target, valid, args.window, args.threads)
     json.dump({**dataclasses.asdict(result), "target_perplexity": result.target_perplexity,
-               "draft_perplexity": result.draft_perplexity}, sys.stdout, indent=1)
+               "draft_perplexity": result.draft_perplexity,
+               "target_indentation": dataclasses.asdict(indent)}, sys.stdout, indent=1)
     print()
     return 0
 

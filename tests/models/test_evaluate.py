@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import numpy as np
 
-from models.evaluate import evaluate_pair, format_samples, judge, samples_report
+from models.evaluate import (
+    evaluate_pair,
+    format_samples,
+    indentation_decisions,
+    judge,
+    samples_report,
+)
 
 
 def test_a_model_agrees_with_itself_and_scores_like_itself(tiny_models) -> None:
@@ -45,3 +51,15 @@ def test_samples_report_prints_and_judges_every_prompt(tiny_models) -> None:
         assert 0.0 <= report[part]["degenerate"] <= 1.0
     text = format_samples(report)
     assert "def f(x):" in text and "=== greedy" in text and "=== sampled" in text
+
+
+def test_indentation_decisions_are_counted_where_a_line_starts_with_spaces(tiny_models) -> None:
+    from models.corpus import tokenize_documents
+
+    code = "def f(x):\n    if x:\n        return 1\n    return 2\n" * 20
+    tokens = tokenize_documents([code], 50256)[:-1].astype(np.int64)
+    result = indentation_decisions(tiny_models["q8_0-target"], tokens, window=64, threads=1)
+    # per 4-line block: 3 + 7 + 3 spaces continue, 3 indented lines stop (the window's first
+    # and last tokens aside)
+    assert result.stop_positions > 0 and result.continue_positions > 3 * result.stop_positions
+    assert 0.0 <= result.stop_accuracy <= 1.0 and 0.0 <= result.continue_accuracy <= 1.0
