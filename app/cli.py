@@ -100,6 +100,10 @@ def _app_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--mode", choices=[m.value for m in Mode], help="speculation mode")
     parser.add_argument("--temp", type=float, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-tokens", type=int, help="tokens per reply at most")
+    parser.add_argument("--throughput-check", action="store_true",
+                        help="measure tokens/s streamed into the window against the command "
+                             "line on the same settings (the thread policy), then quit")
+    parser.add_argument("--repeats", type=int, default=3, help="with --throughput-check")
     parser.add_argument("--data-dir", type=Path,
                         help="keep settings and history here instead of the user's folders")
 
@@ -110,10 +114,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     logging.basicConfig(level=logging.INFO if args.verbose else logging.WARNING,
                         format="%(levelname)s %(name)s: %(message)s")
     if args.command in (None, "app"):
-        from app.main import run as run_app
-
         if args.command is None:
             args = parser.parse_args(["app"])
+        if args.throughput_check:
+            from app.perf import run as check
+
+            return check(args)
+        from app.main import run as run_app
+
         return run_app(args)
     try:
         return generate(args, sys.stdout)
