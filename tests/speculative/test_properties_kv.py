@@ -1,0 +1,173 @@
+"""Property tests (hypothesis) of the KV-cache bookkeeping and the loop, on fake contexts that
+enforce llama.cpp's rules (positions, sequences, batch size, the unified cache's cells) and
+compute each token's logits from what the cache holds for it: random trees, random
+accept/reject/abandon sequences, edited histories, windows and budgets."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+
+from speculative.drafting import TreeBudget
+from speculative.engine import Engine, Mode, SpecConfig
+from speculative.errors import ContextOverflow
+from speculative.kvtree import COMMIT, KVTree, Parent
+from speculative.ngram import KatzTrigram
+from speculative.sampling import SamplingParams
+from speculative.tree import TokenTree
+from tests.fakes import FakeContext, logit_table, noisy, plain_greedy, table_logits
+
+V = 9
+TARGET = logit_table(V, seed=31)
+DRAFT = noisy(TARGET, seed=32, noise=0.8)
+tokens = st.integers(0, V - 1)
+
+
+@st.composite
+def shaped_trees(draw: st.DrawFn, root: int, max_nodes: int, max_leaves: int) -> TokenTree:
+    """A random tree of at most ``max_nodes`` nodes below ``root`` and ``max_leaves`` leaves."""
+    tree = TokenTree.rooted(root)
+    for _ in range(draw(st.integers(0, max_nodes))):
+        parent = draw(st.integers(0, len(tree) - 1))
+        taken = {tree.tokens[c] for c in tree.children[parent]}
+        allowed = [t for t in range(V) if t not in taken]
+        new_leaf = parent == 0 or bool(tree.children[parent])
+        if not allowed or (new_leaf and len(tree.leaves()) >= max_leaves):
+            continue
+        tree.add(parent, draw(st.sampled_from(allowed)), 1.0, "draft")
+    return tree
+
+
+def _decode_tree(kv: KVTree, committed: list[int], tree: TokenTree):
+    """The engine's verification batch: pending committed tokens, then the tree's nodes."""
+    pending = kv.prepare(committed, max_pending=kv.ctx.n_batch - len(tree) + 1)
+    k = len(pending) - 1
+    parents: list[Parent] = [COMMIT] * len(pending)
+    parents += [k + tree.parents[i] for i in range(1, len(tree))]
+    slots, logits = kv.decode(pending + tree.tokens[1:], parents,
+                              [False] * k + [True] * len(tree))
+    return slots[k:], logits
+
+
+def _assert_cache_is_the_committed_text(kv: KVTree, committed: list[int]) -> None:
+    ctx = kv.ctx
+    assert kv.tokens == committed[:len(kv.tokens)]
+    assert ctx.held(0) == kv.tokens
+    assert sorted(c.pos for c in ctx.cells) == list(range(len(kv.tokens)))  # no stray cell
+    assert all(c.seqs == {0} for c in ctx.cells)  # no tree sequence left behind
+    assert kv.cells_free == ctx.n_ctx - len(kv.tokens)
+
+
+@settings(max_examples=300, deadline=None, database=None)
+@given(st.data(), st.integers(6, 40), st.integers(3, 16), st.integers(2, 10))
+def test_cache_equals_a_from_scratch_decode_after_any_accept_reject_sequence(
+        data, n_ctx, n_batch, n_seq_max) -> None:
+    ctx = FakeContext(TARGET, n_ctx=n_ctx, n_batch=n_batch, n_seq_max=n_seq_max)
+    kv = KVTree(ctx)
+    committed = data.draw(st.lists(tokens, min_size=1, max_size=n_ctx))
+    for _ in range(data.draw(st.integers(1, 10))):
+        action = data.draw(st.sampled_from(["accept", "accept", "abandon", "edit", "overflow"]))
+        if action == "edit":  # a new turn that keeps only part of the history
+            keep = data.draw(st.integers(1, len(committed)))
+            committed = committed[:keep] + data.draw(st.lists(tokens, max_size=n_ctx - keep))
+            continue
+        room = min(n_ctx - len(committed), n_batch - 1)
+        if action == "overflow":
+            # siblings: one position, but one cell each; one more than the cells left is
+            # refused before llama.cpp would fail to find them, and the cache is unchanged
+            wide = n_ctx - len(committed) + 1
+            if wide > min(V, n_batch - 1, n_seq_max - 1):
+                continue
+            event("overflow tried")
+            tree = TokenTree.rooted(committed[-1])
+            for token in range(wide):
+                tree.add(0, token, 1.0, "draft")
+            with pytest.raises(ContextOverflow, match="KV cells"):
+                _decode_tree(kv, committed, tree)
+            kv.rollback()
+            _assert_cache_is_the_committed_text(kv, committed)
+            continue
+        tree = data.draw(shaped_trees(committed[-1], room, n_seq_max - 1))
+        slots, logits = _decode_tree(kv, committed, tree)
+        for node in range(len(tree)):  # each node sees exactly its own path
+            want = table_logits(TARGET, [*committed, *tree.path(node)])
+            assert np.array_equal(logits[node], want.astype(np.float32))
+        if action == "abandon":  # a cancelled step
+            kv.rollback()
+        else:
+            node = data.draw(st.integers(0, len(tree) - 1))
+            path = list(tree.path(node))
+            kv.commit(slots[node], path)
+            committed = committed + path
+            if len(committed) < n_ctx:
+                committed.append(data.draw(tokens))  # the target's own next token
+        _assert_cache_is_the_committed_text(kv, committed)
+        if len(committed) >= n_ctx:
+            break
+    # and the next decode continues exactly as a fresh context decoding the whole text would
+    pending = kv.prepare(committed, max_pending=n_batch)
+    _, logits = kv.decode(pending, [COMMIT] * len(pending))
+    assert np.array_equal(logits[-1], table_logits(TARGET, committed).astype(np.float32))
+
+
+budgets = st.builds(TreeBudget, max_nodes=st.integers(1, 12), max_depth=st.integers(1, 8),
+                    max_children=st.integers(1, 4))
+NGRAM_TEXT = [list(np.random.default_rng(33).integers(0, V, 200))]
+
+
+def _engine(mode: Mode, budget: TreeBudget, n_ctx: int, draft_ctx: int, chain: int,
+            lookahead: int) -> Engine:
+    ngram = KatzTrigram.build(NGRAM_TEXT, V)  # fresh: the engine teaches it the conversation
+    return Engine(FakeContext(TARGET, n_ctx=n_ctx), FakeContext(DRAFT, n_ctx=draft_ctx), ngram,
+                  SpecConfig(mode=mode, tree=budget, chain_length=chain, lookahead=lookahead,
+                             adaptive=False))
+
+
+def _per_pass_limit(mode: Mode, budget: TreeBudget, chain: int) -> int:
+    """Tokens one target pass can emit: the deepest drafted path, plus the target's own."""
+    depth = {Mode.PLAIN: 0, Mode.CHAIN: chain}.get(mode, budget.max_depth)
+    return depth + 1
+
+
+@settings(max_examples=250, deadline=None, database=None)
+@given(mode=st.sampled_from(list(Mode)), budget=budgets, n_ctx=st.integers(4, 40),
+       draft_shorter=st.integers(0, 6), chain=st.integers(1, 6), lookahead=st.integers(0, 4),
+       prompt=st.lists(tokens, min_size=1, max_size=40), n=st.integers(1, 60))
+def test_greedy_generation_equals_plain_decoding_up_to_the_window(
+        mode, budget, n_ctx, draft_shorter, chain, lookahead, prompt, n) -> None:
+    draft_ctx = max(n_ctx - draft_shorter, 2)
+    window = min(n_ctx, draft_ctx) if mode.needs_draft else n_ctx
+    prompt = prompt[:window]
+    engine = _engine(mode, budget, n_ctx, draft_ctx, chain, lookahead)
+    steps = list(engine.generate(prompt, n))
+    out = [t for s in steps for t in s.tokens]
+    assert out == plain_greedy(TARGET, prompt, len(out))
+    limit = _per_pass_limit(mode, budget, chain)
+    assert all(len(s.tokens) <= limit and s.stats.accepted <= s.stats.drafted for s in steps)
+    assert all(s.finish is None for s in steps[:-1])
+    if steps[-1].finish == "context":
+        assert len(out) == window - len(prompt) + 1
+    else:
+        assert steps[-1].finish == "length" and len(out) == n
+
+
+@settings(max_examples=150, deadline=None, database=None)
+@given(mode=st.sampled_from([Mode.CHAIN, Mode.TREE, Mode.STAGED, Mode.NGRAM]), budget=budgets,
+       n_ctx=st.integers(4, 30), lookahead=st.integers(0, 4),
+       prompt=st.lists(tokens, min_size=1, max_size=30),
+       temperature=st.floats(0.1, 2.0), top_k=st.integers(0, V), top_p=st.floats(0.1, 1.0),
+       seed=st.integers(0, 2**16))
+def test_sampled_generation_runs_to_the_window_within_every_limit(
+        mode, budget, n_ctx, lookahead, prompt, temperature, top_k, top_p, seed) -> None:
+    params = SamplingParams(temperature, top_k, top_p, seed)
+    prompt = prompt[:n_ctx]
+    engine = _engine(mode, budget, n_ctx, n_ctx, 4, lookahead)
+    steps = list(engine.generate(prompt, 10_000, params))
+    out = [t for s in steps for t in s.tokens]
+    assert steps[-1].finish == "context" and len(out) == n_ctx - len(prompt) + 1
+    limit = _per_pass_limit(mode, budget, 4)
+    assert all(len(s.tokens) <= limit for s in steps)
+    kv = engine.target
+    _assert_cache_is_the_committed_text(kv, [*prompt, *out])
