@@ -2,8 +2,9 @@
 
 The fake enforces what llama.cpp enforces (each sequence's batch tokens continue right after its
 last cached position; a token's sequences must all see the same history; batch and sequence
-limits; the unified KV cache's ``n_ctx`` cells, shared by all sequences) and computes each token's logits from the tokens its sequences hold, so the tree layout
-of ``speculative.kvtree`` is checked by these tests as well as by llama.cpp.
+limits; the unified KV cache's ``n_ctx`` cells, shared by all sequences) and computes each
+token's logits from the tokens its sequences hold, so the tree layout of ``speculative.kvtree``
+is checked by these tests as well as by llama.cpp.
 """
 
 from __future__ import annotations
