@@ -31,12 +31,13 @@ log = logging.getLogger(__name__)
 
 def _modes(text: str) -> list[Mode]:
     if text == "all":
-        return list(Mode)
+        return Mode.selectable()
     try:
         return [Mode(m.strip()) for m in text.split(",") if m.strip()]
     except ValueError as exc:
         raise argparse.ArgumentTypeError(
-            f"{exc}; choose from {', '.join(m.value for m in Mode)} or 'all'") from None
+            f"{exc}; choose from {', '.join(m.value for m in Mode.selectable())} or 'all'",
+        ) from None
 
 
 _BUDGET, _SPEC = TreeBudget(), SpecConfig()
@@ -74,14 +75,15 @@ def build_parser() -> argparse.ArgumentParser:
     sub = parser.add_subparsers(dest="command")
     common = _common()
     gen = sub.add_parser("generate", parents=[common], help="generate text from a prompt")
-    gen.add_argument("--mode", type=_modes, default=[Mode.STAGED],
-                     help="plain, chain, tree, staged, ngram; a comma list or 'all' compares them")
+    gen.add_argument("--mode", type=_modes, default=[Mode.AUTO],
+                     help="auto (default), plain, chain, tree, staged, ngram; a comma list "
+                          "or 'all' compares them")
     src = gen.add_mutually_exclusive_group()
     src.add_argument("--prompt", default="def fibonacci(n):\n")
     src.add_argument("--prompt-file", type=Path)
     bench = sub.add_parser("bench", parents=[common],
                            help="every mode on a set of prompts, speedups vs plain")
-    bench.add_argument("--mode", type=_modes, default=list(Mode),
+    bench.add_argument("--mode", type=_modes, default=Mode.selectable(),
                        help="modes to compare with plain (default: all)")
     add_bench_arguments(bench)
     gui = sub.add_parser("app", help="open the desktop app (the default without a command)")
@@ -97,7 +99,8 @@ def _app_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--race", action="store_true",
                         help="after the reply, race plain decoding against the speculation")
     parser.add_argument("--theme", choices=("system", "light", "dark"))
-    parser.add_argument("--mode", choices=[m.value for m in Mode], help="speculation mode")
+    parser.add_argument("--mode", choices=[m.value for m in Mode.selectable()],
+                        help="speculation mode")
     parser.add_argument("--temp", type=float, help="sampling temperature (0: greedy)")
     parser.add_argument("--max-tokens", type=int, help="tokens per reply at most")
     parser.add_argument("--throughput-check", action="store_true",
@@ -136,7 +139,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
     """The models to run: those given, else the built-in pair and n-gram model."""
-    needs_draft = any(m.needs_draft for m in args.mode)
+    needs_draft = any(m.needs_draft or m is Mode.AUTO for m in args.mode)  # auto uses one
     if args.target is None or (needs_draft and args.draft is None):
         builtin_target, builtin_draft = builtin_pair()
     target = args.target or builtin_target

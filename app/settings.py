@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MODE_LABELS: dict[str, str] = {
     # the user's words for each engine mode, in menu order
+    Mode.AUTO.value: "Auto (what pays on this machine)",
     Mode.PLAIN.value: "Off (target alone)",
     Mode.CHAIN.value: "Standard speculative (draft chain)",
     Mode.TREE.value: "Stage 1: draft tree",
@@ -35,7 +36,7 @@ MODE_LABELS: dict[str, str] = {
 @dataclasses.dataclass(frozen=True, slots=True)
 class AppSettings:
     # speculation
-    mode: str = Mode.STAGED.value     # the paper's method is the default
+    mode: str = Mode.AUTO.value       # drafts as much as pays on this machine, step by step
     max_nodes: int = 16               # tree budget: drafted nodes verified per target pass
     max_depth: int = 6
     max_children: int = 4             # branching: candidates per position

@@ -183,6 +183,8 @@ class ModelDrafter:
         return "ngram" if path in self._guessed else "draft"
 
     def commit(self, accepted: Path) -> None:
+        if not self._cache:
+            return  # not asked this step (``auto`` skipped drafting): nothing new to keep
         depth = len(accepted)
         while accepted[:depth] not in self._cache:
             depth -= 1  # the deepest accepted node the draft has decoded (the root at worst)
@@ -239,8 +241,14 @@ class DraftTree:
         return _prune(self.tree, self.q, self.tree.top_nodes(n))
 
 
+Expand = Callable[[TokenTree, list[int], int], int]
+"""``expand(tree, frontier, depth)``: how many of the best-first ``frontier`` nodes to expand
+with the next draft batch (0 stops growing). ``auto`` mode decides it from the cost curves."""
+
+
 def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
-              params: SamplingParams, rng: np.random.Generator) -> DraftTree:
+              params: SamplingParams, rng: np.random.Generator,
+              expand: Expand | None = None) -> DraftTree:
     """Grow the draft tree best-first, one draft batch per level.
 
     Every expanded node offers ``max_children`` slots. Slot i of node u scores
@@ -261,6 +269,8 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
             _add_children(tree, u, logits, budget.max_children, params, rng, drafter, q)
         best = tree.top_nodes(budget.max_nodes)
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
+        if expand is not None and frontier and depth < budget.max_depth:
+            frontier = frontier[:expand(tree, frontier, depth)]
         if depth == budget.max_depth or not frontier:
             break
         try:

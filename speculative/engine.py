@@ -35,6 +35,8 @@ from .drafting import (
 from .errors import IncompatibleModels
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
+from .oracle import OracleDrafter
+from .planner import Planner
 from .protocols import Context
 from .sampling import SamplingParams
 from .stats import ORIGINS, RunStats, StepStats
@@ -50,15 +52,22 @@ class Mode(str, enum.Enum):
     TREE = "tree"      # stage 1: a draft tree verified in one pass
     STAGED = "staged"  # stages 1 + 2: the tree's draft model sped up by the n-gram model
     NGRAM = "ngram"    # the n-gram model drafts a tree for the target directly
+    AUTO = "auto"      # each step drafts as much as pays on this machine (speculative.planner)
+    ORACLE = "oracle"  # the benchmark's ceiling: a free drafter that knows the answer
 
     @property
     def needs_draft(self) -> bool:
         return self in (Mode.CHAIN, Mode.TREE, Mode.STAGED)
 
+    @classmethod
+    def selectable(cls) -> list[Mode]:
+        """The modes a user can run (the oracle needs the text in advance: benchmarks only)."""
+        return [m for m in cls if m is not Mode.ORACLE]
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SpecConfig:
-    mode: Mode = Mode.STAGED
+    mode: Mode = Mode.AUTO
     tree: TreeBudget = dataclasses.field(default_factory=TreeBudget)  # tree, staged, ngram
     chain_length: int = 4            # chain mode: draft tokens per target pass
     lookahead: int = 4               # stage 2: n-gram tokens decoded ahead in each draft batch
@@ -70,6 +79,8 @@ class SpecConfig:
         if self.mode is Mode.CHAIN:
             k = self.chain_length
             return TreeBudget(max_nodes=k, max_depth=k, max_children=1)
+        if self.mode is Mode.ORACLE:  # a chain as long as the tree budget allows
+            return TreeBudget(self.tree.max_nodes, self.tree.max_nodes, 1)
         return self.tree
 
 
@@ -97,15 +108,21 @@ class Engine:
         self.ngram = ngram if ngram is not None else KatzTrigram.build([], target.n_vocab)
         self._ngram_fed: list[int] = []
         self.config = config if config is not None else SpecConfig()
+        self.oracle: OracleDrafter | None = None  # Mode.ORACLE's drafter (benchmarks)
+        self.planner: Planner | None = None       # Mode.AUTO's, made once costs are measured
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
         self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
         self._calibration = Calibration()
         self._stage2 = Calibration()  # used / proposed stage-2 guess tokens
         self._previous: tuple[list[float], float] = ([], 0.0)  # last step's scores, draft time
+        self._guesses: tuple = ()  # auto: (path, n-gram chain) added below the best leaf
 
     def check(self, config: SpecConfig) -> None:
         if config.mode.needs_draft and self.draft is None:
             raise ValueError(f"mode {config.mode.value!r} needs a draft model")
+        if config.mode is Mode.ORACLE and self.oracle is None:
+            raise ValueError("the oracle mode needs the target's own continuation (set "
+                             "engine.oracle: benchmarks only)")
         budget = config.budget()
         if budget is None:
             return
@@ -126,11 +143,12 @@ class Engine:
         run = run if run is not None else RunStats()
         run.mode, run.prompt_tokens = self.config.mode.value, len(committed)
         rng = np.random.default_rng(params.seed)
-        if self.config.adaptive and self.config.mode is not Mode.PLAIN:
+        if (self.config.adaptive and self.config.mode is not Mode.PLAIN) or (
+                self.config.mode is Mode.AUTO):
             self.measure_cost()
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
-        if self.draft is not None and self.config.mode.needs_draft:
+        if self._uses_draft(self.config):
             self.draft.prepare(committed, max_pending=1)
         self._feed_ngram(committed)
         run.t_prefill = time.perf_counter() - t0
@@ -170,14 +188,20 @@ class Engine:
             self.draft_cost = measure_verify_cost(self.draft.ctx, n)
             self.draft.reset()
             log.info("draft cost (ms): %s", _ms(self.draft_cost))
+        if self.planner is None or force:
+            self.planner = Planner(self.verify_cost, self.draft_cost)
         return self.verify_cost
 
     def _n_ctx(self, config: SpecConfig | None = None) -> int:
         """The usable window: the smaller context, if a draft runs beside the target."""
-        mode = (config or self.config).mode
-        if self.draft is not None and mode.needs_draft:
+        if self._uses_draft(config or self.config):
             return min(self.target.ctx.n_ctx, self.draft.ctx.n_ctx)
         return self.target.ctx.n_ctx
+
+    def _uses_draft(self, config: SpecConfig) -> bool:
+        """The draft model runs in this mode (``auto`` uses it when there is one)."""
+        return self.draft is not None and (
+            config.mode.needs_draft or config.mode is Mode.AUTO)
 
     def _step(self, committed: list[int], config: SpecConfig, params: SamplingParams,
               rng: np.random.Generator) -> tuple[list[int], list[str], StepStats]:
@@ -188,6 +212,8 @@ class Engine:
         try:
             if drafter is None or budget is None:
                 draft = DraftTree(TokenTree.rooted(committed[-1]), {})
+            elif config.mode is Mode.AUTO and self.planner is not None:
+                draft = self._auto_tree(drafter, committed, budget, params, rng)
             else:
                 draft = grow_tree(drafter, committed, budget, params, rng)
                 if config.adaptive and self.verify_cost is not None:
@@ -206,7 +232,13 @@ class Engine:
         self.target.commit(slots[last], accepted)
         if drafter is not None:
             drafter.commit(tuple(accepted))
-            self._calibration.add(len(accepted), sum(tree.scores[1:]))
+            # calibrate the draft's scores on its own nodes (auto's n-gram guesses have theirs)
+            guessed = self._guess_nodes(tree)
+            self._calibration.add(sum(v not in guessed for v in verdict.accepted),
+                                  sum(tree.scores[v] for v in range(1, len(tree))
+                                      if v not in guessed))
+            if self.planner is not None and self._guesses:
+                self._observe_guesses(tuple(accepted))
             if drafter.counters.stage2_proposed:
                 self._stage2.add(drafter.counters.stage2_used, drafter.counters.stage2_proposed)
         counters = drafter.counters if drafter is not None else DraftCounters()
@@ -219,6 +251,88 @@ class Engine:
             t_draft=counters.t_draft, t_stage2=counters.t_stage2, t_verify=t2 - t1,
             t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
         return [*accepted, verdict.next_token], origins, stats
+
+    def _auto_tree(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
+                   params: SamplingParams, rng: np.random.Generator) -> DraftTree:
+        """``auto``: draft only as deep and wide as pays (``Planner.expand``), add the n-gram's
+        free guesses below the best leaf (greedy), keep the nodes worth verifying."""
+        planner = self.planner
+        assert planner is not None
+        calibration = self._calibration.factor
+        t0 = time.perf_counter()
+
+        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
+            # the draft's confidence in each new node's best child, for the next decisions
+            planner.observe([tree.scores[v] / tree.scores[tree.parents[v]] for v in frontier
+                             if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
+            return planner.expand([tree.scores[v] for v in frontier], tree.scores[1:],
+                                  time.perf_counter() - t0, calibration,
+                                  budget.max_depth - depth)
+
+        if isinstance(drafter, NgramDrafter):
+            draft = grow_tree(drafter, committed, budget, params, rng)
+        else:
+            draft = self._maybe_draft(drafter, committed, budget, params, rng, expand)
+        self._guesses = ()
+        if params.greedy:
+            draft = self._add_guesses(draft, committed, budget)
+        return self._right_size(draft, drafter, params)
+
+    def _maybe_draft(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
+                     params: SamplingParams, rng: np.random.Generator,
+                     expand: Callable[[TokenTree, list[int], int], int]) -> DraftTree:
+        """Grow the draft tree if even its first batch pays; else a lone root."""
+        planner = self.planner
+        assert planner is not None
+        pays = planner.expand([1.0], [], 0.0, self._calibration.factor, budget.max_depth) > 0
+        if not pays and not planner.explore():
+            return DraftTree(TokenTree.rooted(committed[-1]), {})
+        planner.drafted()
+        return grow_tree(drafter, committed, budget, params, rng, expand)
+
+    def _add_guesses(self, draft: DraftTree, committed: list[int],
+                     budget: TreeBudget) -> DraftTree:
+        """Chain the n-gram's greedy continuation below the best path's leaf (free to draft;
+        the final cut keeps the guesses whose expected acceptance pays their share of the
+        target pass). Greedy only: a sampled node's children must all come from one q."""
+        assert self.planner is not None
+        tree = draft.tree
+        leaf = 0
+        while tree.children[leaf]:
+            leaf = tree.children[leaf][0]  # rank 0: the draft's most likely continuation
+        room = min(budget.max_nodes - (len(tree) - 1), budget.max_depth - tree.depths[leaf])
+        if room < 1:
+            return draft
+        path = tree.path(leaf)
+        guess = self.ngram.greedy([*committed, *path][-2:], room)
+        scores = self.planner.ngram_scores(tree.scores[leaf], room)
+        node = leaf
+        for token, score in zip(guess, scores, strict=True):
+            node = tree.add(node, token, score, "ngram")
+        self._guesses = (path, tuple(guess))
+        return draft
+
+    def _guess_nodes(self, tree: TokenTree) -> set[int]:
+        """Nodes of ``tree`` that are auto's n-gram guesses (below the leaf they extend)."""
+        if not self._guesses:
+            return set()
+        path, guess = self._guesses
+        below = (*path, *guess[:1])
+        return {v for v in range(1, len(tree)) if tree.depths[v] > len(path)
+                and tree.path(v)[:len(below)] == below}
+
+    def _observe_guesses(self, accepted: tuple[int, ...]) -> None:
+        """How far the target followed the n-gram's chain, if it reached its start."""
+        assert self.planner is not None
+        path, guess = self._guesses
+        self._guesses = ()
+        if accepted[:len(path)] != path:
+            return
+        kept = accepted[len(path):]
+        n = 0
+        while n < min(len(kept), len(guess)) and kept[n] == guess[n]:
+            n += 1
+        self.planner.observe_ngram(len(guess), n)
 
     def _right_size(self, draft: DraftTree, drafter: Drafter, params: SamplingParams
                     ) -> DraftTree:
@@ -238,10 +352,12 @@ class Engine:
     def _drafter(self, config: SpecConfig) -> Drafter | None:
         if config.mode is Mode.PLAIN:
             return None
-        if config.mode is Mode.NGRAM:
+        if config.mode is Mode.ORACLE:
+            return self.oracle
+        if config.mode is Mode.NGRAM or (config.mode is Mode.AUTO and self.draft is None):
             return NgramDrafter(self.ngram)
         assert self.draft is not None
-        lookahead = self.ngram if config.mode is Mode.STAGED else None
+        lookahead = self.ngram if config.mode in (Mode.STAGED, Mode.AUTO) else None
         if not (config.adaptive and self.draft_cost is not None and lookahead is not None):
             return ModelDrafter(self.draft, lookahead, config.lookahead)
         cost, hit_rate = self.draft_cost, self._stage2.factor

@@ -135,11 +135,11 @@ class SettingsDialog(QDialog):
 
     def _update_enabled(self) -> None:
         mode = self.mode.currentData()
-        tree = mode in ("tree", "staged", "ngram")
+        tree = mode in ("tree", "staged", "ngram", "auto")
         for w in (self.max_nodes, self.max_depth, self.max_children):
             w.setEnabled(tree)
         self.chain_length.setEnabled(mode == "chain")
-        self.lookahead.setEnabled(mode == "staged")
+        self.lookahead.setEnabled(mode in ("staged", "auto"))
         self.adaptive.setEnabled(mode != "plain")
 
     def _defaults(self) -> None:

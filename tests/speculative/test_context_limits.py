@@ -61,7 +61,7 @@ def _check_stopped_at_the_window(prompt: list[int], out: list[int], steps: list[
 # --- fakes: llama.cpp's cell rules, every mode, many window sizes ------------------------------
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", Mode.selectable())
 @pytest.mark.parametrize("params", [GREEDY, SAMPLED], ids=["greedy", "sampled"])
 @pytest.mark.parametrize("adaptive", [False, True], ids=["fixed", "adaptive"])
 def test_every_mode_stops_cleanly_at_the_end_of_the_window(mode, params, adaptive) -> None:
@@ -109,7 +109,7 @@ def test_window_of_the_smaller_context_wins() -> None:
             _check_stopped_at_the_window(prompt, out, steps, n_ctx)
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", Mode.selectable())
 def test_prompt_that_fills_the_window_gives_one_token_and_stops(mode) -> None:
     prompt = [int(t) for t in np.random.default_rng(3).integers(0, V, 16)]
     for params in (GREEDY, SAMPLED):
@@ -119,7 +119,7 @@ def test_prompt_that_fills_the_window_gives_one_token_and_stops(mode) -> None:
             assert out == plain_greedy(TARGET, prompt, 1)
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", Mode.selectable())
 def test_prompt_longer_than_the_window_is_refused_and_the_engine_survives(mode) -> None:
     engine = _fake_engine(mode, 16)
     with pytest.raises(PromptTooLong, match="prompt is 17 tokens but the context holds 16"):
@@ -175,7 +175,7 @@ def _real_engine(pair: ModelPair, mode: Mode, ngram: KatzTrigram) -> Engine:
                   SpecConfig(mode=mode, tree=TreeBudget(12, 6, 3), lookahead=4, adaptive=False))
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", Mode.selectable())
 def test_real_models_run_every_mode_to_the_end_of_the_window(pair, corpus_ngram, mode) -> None:
     # the premise: llama.cpp's cache has no spare cells beyond the window
     assert pair.target_ctx.n_cells == pair.target_ctx.n_ctx == N_CTX
@@ -198,7 +198,7 @@ def test_real_models_prompt_that_fills_the_window(pair, corpus_ngram) -> None:
     prompt = vocab.tokenize("x = 1\n" * 200)[:N_CTX]
     assert len(prompt) == N_CTX
     outs = {}
-    for mode in Mode:
+    for mode in Mode.selectable():
         out, steps = _run_to_the_end(_real_engine(pair, mode, corpus_ngram), prompt, GREEDY)
         assert len(steps) == 1 and steps[0].finish == "context" and len(out) == 1
         outs[mode] = out
@@ -208,7 +208,7 @@ def test_real_models_prompt_that_fills_the_window(pair, corpus_ngram) -> None:
 def test_real_models_prompt_longer_than_the_window(pair, corpus_ngram) -> None:
     vocab = pair.target.vocab
     prompt = vocab.tokenize("x = 1\n" * 200)[: N_CTX + 1]
-    for mode in Mode:
+    for mode in Mode.selectable():
         engine = _real_engine(pair, mode, corpus_ngram)
         with pytest.raises(PromptTooLong, match=f"{N_CTX + 1} tokens but the context holds"):
             next(engine.generate(prompt, 5))
@@ -230,7 +230,7 @@ def test_cli_generates_to_the_end_of_the_window_in_every_mode(tiny_models, capsy
                           "--prompt", "def f():", "-n", "100000", "--ctx", str(N_CTX), "--json")
     assert code == 0, err
     runs = json.loads(out)["runs"]
-    assert [r["mode"] for r in runs] == [m.value for m in Mode]
+    assert [r["mode"] for r in runs] == [m.value for m in Mode.selectable()]
     for r in runs:
         assert r["finish"] == "context", r["mode"]
         assert r["stats"]["tokens"] == len(r["tokens"]) > N_CTX - 10

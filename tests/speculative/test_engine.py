@@ -6,10 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
+from speculative.costmodel import VerifyCost
 from speculative.drafting import TreeBudget
 from speculative.engine import Engine, Mode, SpecConfig
 from speculative.errors import IncompatibleModels, PromptTooLong
 from speculative.ngram import KatzTrigram
+from speculative.oracle import OracleDrafter
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 from tests.fakes import FakeContext, logit_table, noisy
@@ -47,7 +49,7 @@ def _plain(prompt: list[int], n: int) -> list[int]:
     return out
 
 
-@pytest.mark.parametrize("mode", list(Mode))
+@pytest.mark.parametrize("mode", Mode.selectable())
 @pytest.mark.parametrize("budget", BUDGETS, ids=lambda b: f"{b.max_nodes}n{b.max_depth}d")
 def test_greedy_equals_plain_decoding(mode: Mode, budget: TreeBudget) -> None:
     engine = _engine(mode, budget)
@@ -206,3 +208,56 @@ def test_tree_larger_than_the_target_batch_is_refused() -> None:
                     config=SpecConfig(mode=Mode.TREE, tree=TreeBudget(8, 4, 2)))
     with pytest.raises(ValueError, match="n_batch and n_seq_max >= 9"):
         list(engine.generate([1], 5))
+
+
+def _auto(target_cost: tuple, draft_cost: tuple, draft: np.ndarray = DRAFT) -> Engine:
+    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), draft=draft)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), target_cost)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), draft_cost)
+    return engine
+
+
+FLAT = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4)        # a GPU: 32 tokens cost little more than one
+STEEP = (1.0, 1.75, 2.24, 3.5, 5.3, 9.2)       # a 2-core CPU: a second token costs 0.75
+CHEAP_DRAFT = (0.05, 0.06, 0.07, 0.09, 0.12, 0.2)
+
+
+def test_auto_drafts_what_the_cost_curve_pays_for_and_stays_exact() -> None:
+    drafted = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        engine = _auto(curve, CHEAP_DRAFT)
+        run = RunStats()
+        for prompt in PROMPTS[:8]:
+            assert _generate(engine, prompt, 24, run=run) == _plain(prompt, 24), name
+        drafted[name] = run.mean_drafted
+    assert drafted["flat"] > 2 * drafted["steep"] > 0
+
+
+def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
+    useless = noisy(TARGET, seed=11, noise=50.0)  # its guesses are nearly never the target's
+    engine = _auto(STEEP, (0.5, 0.8, 1.1, 1.8, 3.0, 5.5), draft=useless)
+    run = RunStats()
+    for prompt in PROMPTS[:10]:
+        assert _generate(engine, prompt, 24, run=run) == _plain(prompt, 24)
+    late = run.steps[len(run.steps) // 2:]
+    assert sum(s.draft_calls for s in late) <= 0.2 * len(late)  # learned: mostly plain now
+
+
+def test_auto_without_a_draft_model_uses_the_ngram_model() -> None:
+    ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
+    engine = Engine(FakeContext(TARGET), None, ngram, SpecConfig(mode=Mode.AUTO))
+    for prompt in PROMPTS[:5]:
+        assert _generate(engine, prompt, 16) == _plain(prompt, 16)
+
+
+def test_the_oracle_knows_the_answer_and_is_never_rejected() -> None:
+    engine = _engine(Mode.ORACLE, TreeBudget(8, 8, 1))
+    with pytest.raises(ValueError, match="oracle"):
+        _generate(engine, PROMPTS[3], 10)
+    for prompt in PROMPTS[:6]:
+        answer = _plain(prompt, 30)
+        engine.oracle = OracleDrafter(answer, len(prompt), V)
+        run = RunStats()
+        assert _generate(engine, prompt, 30, run=run) == answer
+        assert all(s.accepted == s.drafted for s in run.steps)
+        assert run.tau > 2

@@ -32,7 +32,8 @@ CASES = [
     (Mode.PLAIN, TreeBudget()), (Mode.CHAIN, TreeBudget()), (Mode.TREE, TreeBudget(4, 3, 2)),
     (Mode.TREE, TreeBudget(16, 6, 4)), (Mode.TREE, TreeBudget(32, 10, 3)),
     (Mode.STAGED, TreeBudget(8, 5, 3)), (Mode.STAGED, TreeBudget(24, 8, 4)),
-    (Mode.NGRAM, TreeBudget(6, 4, 2)),
+    (Mode.NGRAM, TreeBudget(6, 4, 2)), (Mode.AUTO, TreeBudget(16, 6, 4)),
+    (Mode.AUTO, TreeBudget(32, 12, 2)),
 ]
 
 

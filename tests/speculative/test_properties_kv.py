@@ -132,13 +132,14 @@ def _per_pass_limit(mode: Mode, budget: TreeBudget, chain: int) -> int:
 
 
 @settings(max_examples=250, deadline=None, database=None)
-@given(mode=st.sampled_from(list(Mode)), budget=budgets, n_ctx=st.integers(4, 40),
+@given(mode=st.sampled_from(Mode.selectable()), budget=budgets, n_ctx=st.integers(4, 40),
        draft_shorter=st.integers(0, 6), chain=st.integers(1, 6), lookahead=st.integers(0, 4),
        prompt=st.lists(tokens, min_size=1, max_size=40), n=st.integers(1, 60))
 def test_greedy_generation_equals_plain_decoding_up_to_the_window(
         mode, budget, n_ctx, draft_shorter, chain, lookahead, prompt, n) -> None:
     draft_ctx = max(n_ctx - draft_shorter, 2)
-    window = min(n_ctx, draft_ctx) if mode.needs_draft else n_ctx
+    uses_draft = mode.needs_draft or mode is Mode.AUTO  # auto drafts when it has a draft
+    window = min(n_ctx, draft_ctx) if uses_draft else n_ctx
     prompt = prompt[:window]
     engine = _engine(mode, budget, n_ctx, draft_ctx, chain, lookahead)
     steps = list(engine.generate(prompt, n))
@@ -154,7 +155,8 @@ def test_greedy_generation_equals_plain_decoding_up_to_the_window(
 
 
 @settings(max_examples=150, deadline=None, database=None)
-@given(mode=st.sampled_from([Mode.CHAIN, Mode.TREE, Mode.STAGED, Mode.NGRAM]), budget=budgets,
+@given(mode=st.sampled_from([Mode.CHAIN, Mode.TREE, Mode.STAGED, Mode.NGRAM, Mode.AUTO]),
+       budget=budgets,
        n_ctx=st.integers(4, 30), lookahead=st.integers(0, 4),
        prompt=st.lists(tokens, min_size=1, max_size=30),
        temperature=st.floats(0.1, 2.0), top_k=st.integers(0, V), top_p=st.floats(0.1, 1.0),

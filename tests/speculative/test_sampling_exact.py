@@ -177,20 +177,27 @@ def test_sample_without_replacement_order_is_the_sequential_process() -> None:
     assert np.allclose(seconds_after_0 / seconds_after_0.sum(), cond, atol=0.015)
 
 
-def test_engine_sampling_end_to_end_matches_the_target() -> None:
-    """The same check through the engine, its KV bookkeeping and the staged drafter (fewer
-    samples: the fake contexts are slow)."""
+@pytest.mark.parametrize("mode", [Mode.STAGED, Mode.AUTO])
+def test_engine_sampling_end_to_end_matches_the_target(mode: Mode) -> None:
+    """The same check through the engine, its KV bookkeeping and the staged drafter, or auto's
+    cost-driven drafting (fewer samples: the fake contexts are slow)."""
     params_base = {"temperature": 1.0, "top_k": 6}
     draft_table = noisy(TARGET, seed=3, noise=0.7).astype(np.float32)
     ngram = KatzTrigram.build([[3, 5, 1, 2, 3, 5, 1, 2]], V)
     engine = Engine(FakeContext(TARGET), FakeContext(draft_table), ngram,
-                    SpecConfig(mode=Mode.STAGED, tree=TreeBudget(5, 3, 3), lookahead=2))
+                    SpecConfig(mode=mode, tree=TreeBudget(5, 3, 3), lookahead=2))
+    if mode is Mode.AUTO:  # a cost curve on which auto drafts at some steps and not others
+        engine.verify_cost = VerifyCost((1, 2, 4, 8), (1.0, 1.3, 1.6, 2.2))
+        engine.draft_cost = VerifyCost((1, 2, 4, 8), (0.15, 0.2, 0.3, 0.5))
     counts = np.zeros((V, V), dtype=np.int64)
+    drafted = []
     for seed in range(6_000):
         params = SamplingParams(seed=seed, **params_base)
         out: list[int] = []
         for step in engine.generate(PROMPT, 2, params):
             out += step.tokens
+            drafted.append(step.stats.drafted)
         counts[out[0], out[1]] += 1
+    assert 0 < drafted.count(0) < len(drafted) or mode is not Mode.AUTO
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base)))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
