@@ -1,12 +1,26 @@
 """``staged-chat bench``: every mode on the same prompts and models, side by side, in one run.
 
-For each prompt the modes run one after another (so slow drifts of the machine hit every mode
-alike), ``--repeats`` times. Speed is total tokens / total generation time per mode (prefill
-excluded), and each speedup is that figure over ``plain``'s from the same run. At temperature 0
-every mode's tokens are also compared with ``plain``'s ("same as plain": prompts with identical
-output). A difference can only come from float noise at an exact near-tie of the target's top two
-logits (a batch of n tokens sums in another order than n single tokens); the oracle test checks
-that this is the only cause.
+What is measured, and how it stays fair:
+
+- **Interleaved**: for each repeat and prompt the modes run one after another, in an order that
+  rotates from prompt to prompt (A B C, B C A, ...), so slow drifts of the machine (heat, other
+  processes) hit every mode alike. One untimed warm-up run of every mode comes first.
+- **Speed** is generation tokens / generation seconds (prefill excluded, ``RunStats``), pooled
+  over the prompts of one repeat; each **speedup** is that over ``plain``'s in the same repeat,
+  and the report gives the median and the spread (min-max) over repeats.
+- **Ceiling** (greedy only): the ``oracle`` drafter knows plain decoding's output and costs
+  nothing, so it shows the best any drafter could do on this machine's verification cost curve;
+  each mode's ``ceiling_share`` is its speedup over the oracle's.
+- **identical**: at temperature 0 every mode's tokens are compared with ``plain``'s. A
+  difference can only come from float noise at an exact near-tie of the target's top two
+  logits (a batch sums in another order than single tokens); the oracle test checks that this
+  is the only cause.
+- **Degenerate outputs** (a token repeated, mostly whitespace, a handful of words: see
+  ``models.evaluate.judge``) are counted and warned about: speed on such text means little.
+- **Peers** (``--peers``): llama-cpp-python's own speculative path (``LlamaPromptLookupDecoding``)
+  and plain path on the same target, and with ``--native``, llama.cpp's C++ ``llama-bench`` and
+  ``llama-speculative`` on the same files (built on demand: ``app/native.py``). What cannot run
+  is reported with the reason.
 """
 
 from __future__ import annotations
@@ -14,17 +28,25 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import platform
+import statistics
+import sys
+import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from speculative.backend import ContextConfig
+from speculative.backend import ContextConfig, default_threads, peer_generate, system_info
+from speculative.costmodel import VerifyCost
 from speculative.engine import Engine, Mode, SpecConfig
-from speculative.loading import open_pair
+from speculative.loading import ModelPair, open_pair
 from speculative.ngram import KatzTrigram
+from speculative.oracle import OracleDrafter
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 
-PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "bench_prompts.txt"
+ASSETS = Path(__file__).resolve().parents[1] / "assets"
+PROMPT_SETS = {"code": ASSETS / "bench_prompts.txt", "chat": ASSETS / "chat_prompts.txt"}
+SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the issue's sampled setting
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -34,76 +56,288 @@ def load_prompts(path: Path) -> list[str]:
 
 
 def add_arguments(parser: argparse.ArgumentParser) -> None:
-    parser.add_argument("--prompts", type=Path, default=PROMPTS,
-                        help="prompts separated by '---' lines")
-    parser.add_argument("--repeats", type=int, default=1)
+    parser.add_argument("--prompts", default="code",
+                        help="code, chat, both, or a file of prompts separated by '---' lines")
+    parser.add_argument("--sampling", choices=("greedy", "sampled", "both"), default="greedy",
+                        help="greedy, or temperature 1 with top-k 50 (sampled), or both")
+    parser.add_argument("--repeats", type=int, default=3)
+    parser.add_argument("--no-ceiling", action="store_true", help="skip the oracle ceiling")
+    parser.add_argument("--peers", action="store_true",
+                        help="also run llama-cpp-python's own plain and speculative paths")
+    parser.add_argument("--native", action="store_true",
+                        help="also run llama.cpp's C++ llama-bench and llama-speculative "
+                             "(built on first use, minutes)")
+    parser.add_argument("--chart", type=Path, help="save a PNG chart of the speedups")
+
+
+@dataclasses.dataclass(slots=True)
+class Cell:
+    """One (sampling, prompt set) block: each mode's runs, repeat by repeat."""
+
+    sampling: str
+    prompt_set: str
+    runs: dict[str, list[list[RunStats]]]      # mode -> repeat -> prompt runs
+    outputs: dict[str, list[list[list[int]]]]  # mode -> repeat -> prompt tokens
+    texts: dict[str, list[str]] = dataclasses.field(default_factory=dict)
+
+
+def _prompt_sets(arg: str) -> dict[str, list[str]]:
+    if arg in PROMPT_SETS:
+        return {arg: load_prompts(PROMPT_SETS[arg])}
+    if arg == "both":
+        return {name: load_prompts(path) for name, path in PROMPT_SETS.items()}
+    return {Path(arg).stem: load_prompts(Path(arg))}
 
 
 def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path: Path | None,
           spec: SpecConfig, config: ContextConfig, params: SamplingParams, out: TextIO) -> int:
-    prompts = load_prompts(args.prompts)
-    modes: list[Mode] = args.mode if Mode.PLAIN in args.mode else [Mode.PLAIN, *args.mode]
-    runs: dict[Mode, list[RunStats]] = {m: [] for m in modes}
-    same: dict[Mode, int] = dict.fromkeys(modes, 0)  # outputs identical to plain's
+    sets = _prompt_sets(str(args.prompts))
+    modes = [m for m in args.mode if m is not Mode.PLAIN]
+    samplings = {"greedy": SamplingParams(), "sampled": SAMPLED}
+    chosen = ["greedy", "sampled"] if args.sampling == "both" else [args.sampling]
+    if args.temp > 0 and args.sampling == "greedy":  # --temp given: that setting instead
+        samplings["greedy"] = params
+    report: dict[str, Any] = {"host": host_info(config.n_threads), "target": target.name,
+                              "draft": draft.name if draft else None, "cells": []}
     with open_pair(target, draft, config) as pair:
-        vocab = pair.target.vocab
         base = KatzTrigram.load(ngram_path) if ngram_path is not None else None
-        cost = (None, None)  # target and draft costs, measured once, shared by every engine
-        for _ in range(args.repeats):
-            for text in prompts:
-                prompt = vocab.tokenize(text)
-                outputs = {}
-                for mode in modes:
-                    ngram = (KatzTrigram.load(ngram_path) if base is not None
-                             else KatzTrigram.build([], vocab.n_vocab))
-                    engine = Engine(pair.target_ctx, pair.draft_ctx, ngram,
-                                    dataclasses.replace(spec, mode=mode))
-                    engine.verify_cost, engine.draft_cost = cost
-                    run = RunStats()
-                    outputs[mode] = [t for step in engine.generate(
-                        prompt, args.max_tokens, params, stop={vocab.eos}, run=run)
-                        for t in step.tokens]
-                    runs[mode].append(run)
-                    cost = (engine.verify_cost, engine.draft_cost)
-                for mode in modes:
-                    same[mode] += outputs[mode] == outputs[Mode.PLAIN]
-    report = summarize(runs, same if params.greedy else None, len(prompts) * args.repeats)
+        cost = _measure(pair, spec, base)
+        report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
+        progress = Progress(sum(len(p) for p in sets.values()) * len(chosen) * args.repeats
+                            * (len(modes) + 2))
+        for sampling in chosen:
+            for set_name, prompts in sets.items():
+                cell = _run_cell(args, pair, spec, ngram_path, cost, modes, sampling,
+                                 samplings[sampling], set_name, prompts, progress)
+                report["cells"].append(summarize(cell, pair))
+        if args.peers or args.native:
+            report["peers"] = run_peers(args, pair, target, draft, sets, config)
+    progress.done()
     if args.json:
         json.dump(report, out, indent=2)
         out.write("\n")
     else:
-        out.write(format_report(report, pair_names=(target.name, draft.name if draft else "-"),
-                                n_prompts=len(prompts), repeats=args.repeats) + "\n")
+        out.write(format_report(report, args.repeats) + "\n")
+    if args.chart is not None:
+        from app.bench_chart import save_chart  # Qt, only when a chart is asked for
+
+        save_chart(report, args.chart)
     return 0
 
 
-def summarize(runs: dict[Mode, list[RunStats]], same: dict[Mode, int] | None,
-              n_runs: int) -> dict[str, Any]:
-    """Pool each mode's steps over all prompts and derive the figures from ``RunStats``."""
-    pooled = {}
-    for mode, rs in runs.items():
-        total = RunStats(mode=mode.value, steps=[s for r in rs for s in r.steps],
-                         t_prefill=sum(r.t_prefill for r in rs),
-                         prompt_tokens=sum(r.prompt_tokens for r in rs))
-        pooled[mode.value] = total.summary()
-    plain_speed = pooled["plain"]["tokens_per_second"]
-    for mode, s in pooled.items():
-        s["speedup_vs_plain"] = s["tokens_per_second"] / plain_speed if plain_speed else 0.0
-        if same is not None:
-            s["identical_to_plain"] = f"{same[Mode(mode)]}/{n_runs}"
-    return pooled
+def _measure(pair: ModelPair, spec: SpecConfig, base: KatzTrigram | None,
+             ) -> tuple[VerifyCost, VerifyCost | None]:
+    engine = Engine(pair.target_ctx, pair.draft_ctx, base, dataclasses.replace(
+        spec, mode=Mode.AUTO))
+    engine.measure_cost()
+    assert engine.verify_cost is not None
+    return engine.verify_cost, engine.draft_cost
 
 
-def format_report(report: dict[str, Any], pair_names: tuple[str, str], n_prompts: int,
-                  repeats: int) -> str:
-    head = (f"{'mode':<8}{'tokens':>8}{'passes':>8}{'tree':>6}{'tau':>7}{'tok/s':>9}{'speedup':>9}"
-            f"{'draft calls/pass':>18}{'stage-2 hits':>14}  same as plain")
-    lines = [f"target {pair_names[0]}, draft {pair_names[1]}; {n_prompts} prompts x {repeats}",
-             head, "-" * len(head)]
-    for mode, s in report.items():
-        same = s.get("identical_to_plain", "-")
-        lines.append(f"{mode:<8}{s['tokens']:>8}{s['target_passes']:>8}{s['mean_drafted']:>6.1f}"
-                     f"{s['tau']:>7.2f}"
-                     f"{s['tokens_per_second']:>9.1f}{s['speedup_vs_plain']:>8.2f}x"
-                     f"{s['draft_calls_per_step']:>18.2f}{s['stage2_hit_rate']:>14.2f}  {same}")
+def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
+              ngram_path: Path | None, cost: tuple, modes: list[Mode], sampling: str,
+              params: SamplingParams, set_name: str, prompts: list[str],
+              progress: Progress) -> Cell:
+    vocab = pair.target.vocab
+    greedy = params.greedy
+    order = [Mode.PLAIN, *modes] + ([Mode.ORACLE] if greedy and not args.no_ceiling else [])
+    cell = Cell(sampling, set_name, {m.value: [] for m in order},
+                {m.value: [] for m in order})
+    tokens = [vocab.tokenize(p) for p in prompts]
+    answers: dict[int, list[int]] = {}
+    for m in order:  # warm-up: every mode once, untimed (graphs built, caches warm)
+        _one(pair, spec, ngram_path, cost, m, tokens[0], min(16, args.max_tokens), params,
+             answers.get(0))
+        if m is Mode.PLAIN and greedy:
+            answers[0] = _one(pair, spec, ngram_path, cost, m, tokens[0], args.max_tokens,
+                              params, None)[0]
+    for r in range(args.repeats):
+        for m in order:
+            cell.runs[m.value].append([])
+            cell.outputs[m.value].append([])
+        for i, prompt in enumerate(tokens):
+            rotation = (r * len(tokens) + i) % len(order)
+            # plain first when the oracle needs its answer; the rest rotate
+            ordered = order[rotation:] + order[:rotation]
+            if Mode.ORACLE in ordered:
+                ordered.remove(Mode.PLAIN)
+                ordered.insert(0, Mode.PLAIN)
+            for m in ordered:
+                seeded = dataclasses.replace(params, seed=1000 * r + i) if not greedy else params
+                progress.tick(f"{sampling} {set_name} repeat {r + 1} prompt {i + 1}: {m.value}")
+                out, run = _one(pair, spec, ngram_path, cost, m, prompt, args.max_tokens,
+                                seeded, answers.get(i))
+                if m is Mode.PLAIN and greedy:
+                    answers[i] = out
+                cell.runs[m.value][r].append(run)
+                cell.outputs[m.value][r].append(out)
+    cell.texts = {m: [vocab.detokenize(t) for t in outs[0]] for m, outs in cell.outputs.items()}
+    return cell
+
+
+def _one(pair: ModelPair, spec: SpecConfig, ngram_path: Path | None, cost: tuple, mode: Mode,
+         prompt: list[int], n: int, params: SamplingParams, answer: list[int] | None,
+         ) -> tuple[list[int], RunStats]:
+    # a fresh n-gram model per run, so that no mode learns from another's output
+    ngram = KatzTrigram.load(ngram_path) if ngram_path is not None else None
+    engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, dataclasses.replace(spec, mode=mode))
+    engine.verify_cost, engine.draft_cost = cost
+    if mode is Mode.ORACLE:
+        engine.oracle = OracleDrafter(answer or [], len(prompt), pair.target.vocab.n_vocab)
+    run = RunStats()
+    out = [t for step in engine.generate(prompt, n, params, stop={pair.target.vocab.eos},
+                                         run=run) for t in step.tokens]
+    return out, run
+
+
+def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
+    """Each mode's figures, derived from ``RunStats`` only."""
+    from models.evaluate import judge
+
+    plain_speed = [_pooled(rs).tokens_per_second for rs in cell.runs["plain"]]
+    modes: dict[str, Any] = {}
+    for mode, repeats in cell.runs.items():
+        pooled = [_pooled(rs) for rs in repeats]
+        speeds = [p.tokens_per_second for p in pooled]
+        ups = [s / b if b else 0.0 for s, b in zip(speeds, plain_speed, strict=True)]
+        everything = _pooled([r for rs in repeats for r in rs])
+        same = sum(o == p for outs, plains in zip(cell.outputs[mode], cell.outputs["plain"],
+                                                  strict=True)
+                   for o, p in zip(outs, plains, strict=True))
+        total = sum(len(outs) for outs in cell.outputs[mode])
+        degenerate = sum(judge("", toks, pair.target.vocab.detokenize(toks)).degenerate
+                         is not None for toks in cell.outputs[mode][0])
+        modes[mode] = {
+            "tokens_per_second": statistics.median(speeds),
+            "tokens_per_second_range": [min(speeds), max(speeds)],
+            "speedup": statistics.median(ups), "speedup_range": [min(ups), max(ups)],
+            "tau": everything.tau, "mean_drafted": everything.mean_drafted,
+            "draft_calls_per_step": everything.draft_calls_per_step,
+            "depth_acceptance": everything.depth_acceptance()[:8],
+            "origins": everything.origins(), "time": everything.time_split(),
+            "identical": f"{same}/{total}" if cell.sampling == "greedy" else None,
+            "degenerate_outputs": f"{degenerate}/{len(cell.outputs[mode][0])}",
+        }
+    ceiling = modes.get("oracle", {}).get("speedup")
+    for s in modes.values():
+        s["ceiling_share"] = s["speedup"] / ceiling if ceiling else None
+    return {"sampling": cell.sampling, "prompts": cell.prompt_set, "modes": modes,
+            "sample_text": {m: t[0][:160] for m, t in cell.texts.items() if t}}
+
+
+def _pooled(runs: list[RunStats]) -> RunStats:
+    return RunStats(steps=[s for r in runs for s in r.steps],
+                    t_prefill=sum(r.t_prefill for r in runs))
+
+
+def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Path | None,
+              sets: dict[str, list[str]], config: ContextConfig) -> dict[str, Any]:
+    """Other implementations on the same target, greedy: tokens/s, and what could not run."""
+    from app.native import NativeUnavailable, native_tools, run_native_bench, run_native_speculative
+
+    vocab = pair.target.vocab
+    threads = config.n_threads or default_threads()
+    prompts = [p for ps in sets.values() for p in ps][:4]
+    peers: dict[str, Any] = {}
+    if args.peers:
+        for name, lookup in (("llama-cpp-python plain", 0),
+                             ("llama-cpp-python prompt lookup (10)", 10)):
+            tokens, seconds = 0, 0.0
+            for p in prompts:
+                out, sec = peer_generate(target, vocab.tokenize(p), args.max_tokens, threads,
+                                         pair.target_ctx.n_ctx, lookup)
+                tokens, seconds = tokens + max(0, len(out) - 1), seconds + sec
+            peers[name] = {"tokens_per_second": tokens / seconds if seconds else 0.0}
+    if args.native:
+        try:
+            native_tools(progress=lambda msg: print(msg, file=sys.stderr))
+            peers["llama.cpp llama-bench"] = {"tokens_per_second": run_native_bench(
+                target, args.max_tokens, threads, flash_attn=False).tokens_per_second}
+            if draft is not None:
+                for n_max in (4, 8):
+                    r = run_native_speculative(target, draft, prompts[0], args.max_tokens,
+                                               threads, n_max, ctx=pair.target_ctx.n_ctx)
+                    peers[f"llama.cpp llama-speculative (draft max {n_max})"] = {
+                        "tokens_per_second": r.tokens_per_second, "accept": r.accept}
+        except NativeUnavailable as exc:
+            peers["llama.cpp"] = {"unavailable": str(exc)}
+    return peers
+
+
+def host_info(threads: int) -> dict[str, Any]:
+    model = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "threads": threads or "all", "llama.cpp": system_info()}
+
+
+def _ms(cost: VerifyCost) -> dict[str, float]:
+    return {str(n): round(t * 1000, 3) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
+
+
+class Progress:
+    """One line on stderr: how far the benchmark is."""
+
+    def __init__(self, total: int) -> None:
+        self.total, self.n, self.t0 = max(total, 1), 0, time.perf_counter()
+        self.live = sys.stderr.isatty()
+
+    def tick(self, what: str) -> None:
+        self.n += 1
+        if self.live:
+            eta = (time.perf_counter() - self.t0) / self.n * (self.total - self.n)
+            sys.stderr.write(f"\r[{self.n}/{self.total}] {what:<60} ~{eta:.0f} s left ")
+            sys.stderr.flush()
+
+    def done(self) -> None:
+        if self.live:
+            sys.stderr.write("\r" + " " * 100 + "\r")
+
+
+def format_report(report: dict[str, Any], repeats: int) -> str:
+    host = report["host"]
+    lines = [f"target {report['target']}, draft {report['draft']}; {host['cpu']}, "
+             f"{host['threads']} threads; {repeats} repeats (median, min-max)"]
+    t = report["cost_ms"]["target"]
+    one = t["1"]
+    lines.append("target cost(n) ms: " + "  ".join(
+        f"{n}: {ms:.1f} ({ms / one:.2f})" for n, ms in t.items()))
+    if report["cost_ms"]["draft"]:
+        d = report["cost_ms"]["draft"]
+        lines.append("draft  cost(n) ms: " + "  ".join(f"{n}: {ms:.2f}" for n, ms in d.items()))
+    for cell in report["cells"]:
+        lines.append("")
+        lines.append(f"== {cell['sampling']}, {cell['prompts']} prompts")
+        head = (f"{'mode':<8}{'tok/s':>9}{'speedup':>9}{'range':>13}{'ceiling':>9}{'tau':>6}"
+                f"{'tree':>6}{'draft/pass':>11}  {'identical':<10}degenerate")
+        lines += [head, "-" * len(head)]
+        for mode, s in cell["modes"].items():
+            lo, hi = s["speedup_range"]
+            share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
+            lines.append(f"{mode:<8}{s['tokens_per_second']:>9.1f}{s['speedup']:>8.2f}x"
+                         f"{lo:>6.2f}-{hi:<5.2f}{share:>9}{s['tau']:>6.2f}"
+                         f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}  "
+                         f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
+        bad = {m: s["degenerate_outputs"] for m, s in cell["modes"].items()
+               if not s["degenerate_outputs"].startswith("0/")}
+        if bad:
+            counts = ", ".join(f"{m} {n}" for m, n in bad.items())
+            lines.append(f"WARNING: degenerate outputs ({counts} of the first repeat): runs of "
+                         "one token or of whitespace, and speed measured on them means little. "
+                         "plain wrote: " + json.dumps(cell["sample_text"].get("plain", "")[:80]))
+    peers = report.get("peers")
+    if peers:
+        lines.append("")
+        lines.append("peers (greedy, same target):")
+        for name, p in peers.items():
+            if "unavailable" in p:
+                lines.append(f"  {name}: could not run: {p['unavailable']}")
+            else:
+                extra = f", acceptance {p['accept']:.0%}" if p.get("accept") is not None else ""
+                lines.append(f"  {name}: {p['tokens_per_second']:.1f} tok/s{extra}")
     return "\n".join(lines)

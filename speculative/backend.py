@@ -21,6 +21,7 @@ import math
 import os
 import platform
 import struct
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -596,3 +597,38 @@ class LlamaContext:
 
     def __del__(self) -> None:
         self.close()
+
+
+def system_info() -> str:
+    """llama.cpp's build and the CPU features it uses (for the About box and benchmarks)."""
+    return llama_cpp.llama_print_system_info().decode("utf-8", "replace").strip()
+
+
+def peer_generate(model_path: str | Path, prompt: Sequence[int], n_tokens: int, n_threads: int,
+                  n_ctx: int, prompt_lookup: int = 0) -> tuple[list[int], float]:
+    """Greedy generation by llama-cpp-python's own high-level ``Llama`` (a benchmark peer):
+    plain, or its speculative path with ``LlamaPromptLookupDecoding`` proposing
+    ``prompt_lookup`` tokens. Returns the tokens and the seconds from the first token to the
+    last (prefill excluded, as ``RunStats`` counts: ``n - 1`` tokens in that time)."""
+    from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
+
+    draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
+    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=max(64, n_ctx // 2),
+                          n_threads=n_threads, n_threads_batch=n_threads, flash_attn=False,
+                          draft_model=draft, verbose=False)
+    try:
+        out: list[int] = []
+        t0 = 0.0
+        eos = llm.token_eos()
+        for token in llm.generate(list(prompt), temp=0.0, top_k=1, top_p=1.0, min_p=0.0,
+                                  repeat_penalty=1.0):
+            if not out:
+                t0 = time.perf_counter()
+            if token == eos:
+                break
+            out.append(int(token))
+            if len(out) >= n_tokens or len(prompt) + len(out) >= n_ctx:
+                break
+        return out, time.perf_counter() - t0
+    finally:
+        llm.close()

@@ -8,29 +8,55 @@ from app.bench import load_prompts
 from app.cli import main
 
 
-def test_bench_reports_every_mode_against_plain(tiny_models, tmp_path, capsys) -> None:
+def test_bench_reports_every_mode_against_plain_with_the_ceiling(tiny_models, tmp_path,
+                                                                 capsys) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("def add(a, b):\n---\nclass Point:\n")
     assert len(load_prompts(prompts)) == 2
     code = main(["bench", "--target", str(tiny_models["q8_0-target"]),
                  "--draft", str(tiny_models["q8_0-draft"]), "--prompts", str(prompts),
-                 "-n", "12", "--ctx", "256", "--threads", "1", "--mode", "tree,staged",
-                 "--json"])
+                 "-n", "12", "--ctx", "256", "--threads", "1", "--mode", "tree,auto",
+                 "--repeats", "2", "--json"])
     assert code == 0
     report = json.loads(capsys.readouterr().out)
-    assert set(report) == {"plain", "tree", "staged"}
-    assert report["plain"]["tau"] == 1.0
-    assert report["plain"]["speedup_vs_plain"] == 1.0
-    for s in report.values():
-        assert s["tokens"] == 24
-        assert s["identical_to_plain"].endswith("/2")
-    assert report["tree"]["target_passes"] <= 24
+    assert report["target"] == tiny_models["q8_0-target"].name
+    assert set(report["cost_ms"]["target"]) >= {"1", "2", "4"}
+    (cell,) = report["cells"]
+    assert cell["sampling"] == "greedy"
+    modes = cell["modes"]
+    assert set(modes) == {"plain", "tree", "auto", "oracle"}
+    assert modes["plain"]["tau"] == 1.0 and modes["plain"]["speedup"] == 1.0
+    for s in modes.values():
+        assert s["identical"] == "4/4"  # 2 prompts x 2 repeats, every mode the target's text
+        lo, hi = s["speedup_range"]
+        assert lo <= s["speedup"] <= hi
+    oracle = modes["oracle"]
+    assert oracle["ceiling_share"] == 1.0 and oracle["tau"] > 1.0
+    assert modes["tree"]["ceiling_share"] == modes["tree"]["speedup"] / oracle["speedup"]
 
 
-def test_bench_table(tiny_models, tmp_path, capsys) -> None:
+def test_bench_sampled_has_no_ceiling_and_prints_a_table(tiny_models, tmp_path, capsys) -> None:
     prompts = tmp_path / "prompts.txt"
     prompts.write_text("import os\n")
+    chart = tmp_path / "chart.png"
     assert main(["bench", "--target", str(tiny_models["q8_0-target"]), "--mode", "ngram",
-                 "--prompts", str(prompts), "-n", "8", "--ctx", "256", "--threads", "1"]) == 0
+                 "--prompts", str(prompts), "-n", "8", "--ctx", "256", "--threads", "1",
+                 "--sampling", "both", "--repeats", "1", "--chart", str(chart)]) == 0
     out = capsys.readouterr().out
-    assert "plain" in out and "ngram" in out and "1.00x" in out
+    assert "== greedy" in out and "== sampled" in out and "oracle" in out
+    sampled = out.split("== sampled")[1]
+    assert "oracle" not in sampled and "ngram" in sampled
+    assert chart.stat().st_size > 1000 and chart.read_bytes()[:4] == b"\x89PNG"
+
+
+def test_bench_peers_run_llama_cpp_python_on_the_same_target(tiny_models, tmp_path,
+                                                              capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1\n")
+    assert main(["bench", "--target", str(tiny_models["q8_0-target"]), "--mode", "ngram",
+                 "--prompts", str(prompts), "-n", "8", "--ctx", "256", "--threads", "1",
+                 "--repeats", "1", "--no-ceiling", "--peers", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["peers"]["llama-cpp-python plain"]["tokens_per_second"] > 0
+    assert report["peers"]["llama-cpp-python prompt lookup (10)"]["tokens_per_second"] > 0
+    assert "oracle" not in report["cells"][0]["modes"]
