@@ -99,7 +99,7 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         samplings["greedy"] = params
     report: dict[str, Any] = {"host": host_info(config.n_threads), "target": target.name,
                               "draft": draft.name if draft else None, "cells": []}
-    with open_pair(target, draft, config) as pair:
+    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers)) as pair:
         base = KatzTrigram.load(ngram_path) if ngram_path is not None else None
         cost = _measure(pair, spec, base)
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}

@@ -65,6 +65,11 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
     common.add_argument("--threads", type=int, default=0, help="0 = all cores")
     common.add_argument("--flash-attn", action="store_true")
+    common.add_argument("--gpu-layers", type=int, default=0,
+                        help="target layers offloaded to a GPU (-1: all; needs llama-cpp-python "
+                             "built with a GPU backend)")
+    common.add_argument("--draft-gpu-layers", type=int, default=0,
+                        help="draft layers offloaded to a GPU (-1: all)")
     common.add_argument("--json", action="store_true", help="print JSON instead")
     return common
 
@@ -159,7 +164,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
-    with open_pair(target, draft, config) as pair:
+    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers)) as pair:
         vocab = pair.target.vocab
         text = (args.prompt_file.read_text("utf-8") if args.prompt_file else args.prompt)
         prompt = vocab.tokenize(text)

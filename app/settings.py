@@ -52,6 +52,8 @@ class AppSettings:
     # performance
     threads: int = 0                  # 0: chosen by the thread policy (see app/worker.py)
     n_ctx: int = 1024                 # capped by the models' trained context
+    gpu_layers: int = 0               # target layers on a GPU (-1: all), if llama.cpp has one
+    draft_gpu_layers: int = 0
     # models: empty means the built-in pair
     target_path: str = ""
     draft_path: str = ""
@@ -75,7 +77,8 @@ class AppSettings:
 
     def model_key(self) -> tuple[Any, ...]:
         """What, when it changes, needs the models reloaded (the rest applies at once)."""
-        return (self.target_path, self.draft_path, self.n_ctx, self.threads,
+        return (self.target_path, self.draft_path, self.n_ctx, self.threads, self.gpu_layers,
+                self.draft_gpu_layers,
                 max(self.max_nodes, self.chain_length) + 1 + max(self.lookahead, 0) > 64)
 
     def validated(self) -> AppSettings:
@@ -88,6 +91,8 @@ class AppSettings:
             temperature=min(max(self.temperature, 0.0), 5.0), top_k=_clamp(self.top_k, 0, 50257),
             top_p=min(max(self.top_p, 0.01), 1.0), max_tokens=_clamp(self.max_tokens, 1, 4096),
             seed=max(self.seed, -1), threads=_clamp(self.threads, 0, 256),
+            gpu_layers=_clamp(self.gpu_layers, -1, 1000),
+            draft_gpu_layers=_clamp(self.draft_gpu_layers, -1, 1000),
             n_ctx=_clamp(self.n_ctx, 64, 8192),
             theme=self.theme if self.theme in ("system", "light", "dark") else "system")
 

@@ -277,7 +277,8 @@ class EngineWorker(QObject):
         builtin = not settings.target_path
         target, draft = _paths(settings)
         threads = settings.threads or app_threads()
-        pair = open_pair(target, draft, settings.context(threads))
+        pair = open_pair(target, draft, settings.context(threads),
+                         (settings.gpu_layers, settings.draft_gpu_layers))
         try:
             ngram = None
             if BUILTIN_NGRAM.is_file() and pair.target.vocab.n_vocab == 50257:

@@ -351,9 +351,12 @@ class LlamaModel:
     """GGUF weights loaded by llama.cpp. Use as a context manager or call ``close()``."""
 
     def __init__(self, path: str | Path, vocab_only: bool = False,
-                 architectures: Sequence[str] | None = ("gpt2",)) -> None:
+                 architectures: Sequence[str] | None = ("gpt2",), gpu_layers: int = 0) -> None:
+        """``gpu_layers``: layers offloaded to a GPU when llama-cpp-python was built with a GPU
+        backend (CUDA, Metal, Vulkan, ...); 0 keeps everything on the CPU, -1 offloads all."""
         self._model: llama_cpp.llama_model_p | None = None
         self.path = Path(path)
+        self.gpu_layers = gpu_layers
         if not self.path.is_file():
             why = "not a file" if self.path.exists() else "no such file"
             raise ModelLoadError(f"{self.path}: {why}")
@@ -368,6 +371,7 @@ class LlamaModel:
             check_gpt2_hparams(self.header, self.path.name)
         params = _with_fields(
             llama_cpp.llama_model_default_params(), vocab_only=vocab_only,
+            n_gpu_layers=gpu_layers if gpu_layers >= 0 else 1 << 30,
             # read the weights into memory rather than mapping the file (AUTO maps it): a mapped
             # file overwritten in place while loaded (a re-download, `cp` over it) kills the
             # process with SIGBUS at the next decode; a copy in memory does not care
@@ -496,6 +500,7 @@ class LlamaContext:
         self.n_ctx: int = min(self.n_cells, n_ctx)
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
+        self.n_threads, self.flash_attn = threads, config.flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)
         # numpy views over the batch's C arrays: filling them is ~100x faster than ctypes indexing
         b = self._batch
@@ -511,6 +516,15 @@ class LlamaContext:
         if self._ctx is None:
             raise LlamaError("context is closed")
         return self._ctx
+
+    @property
+    def cost_key(self) -> str:
+        """What a measured decode-cost curve depends on: the file, the machine, the settings
+        (``speculative.costmodel`` caches curves under it)."""
+        stat = self.model.path.stat()
+        return "|".join(str(x) for x in (
+            self.model.path.resolve(), stat.st_size, int(stat.st_mtime), self.n_threads,
+            self.n_batch, self.flash_attn, self.model.gpu_layers, system_info()))
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                seq_ids: Sequence[Sequence[int]], logits: Sequence[bool] | bool = True,

@@ -17,12 +17,19 @@ from __future__ import annotations
 
 import bisect
 import dataclasses
+import hashlib
+import json
+import logging
+import os
 import time
 from collections.abc import Sequence
+from pathlib import Path
 
 import numpy as np
 
 from .protocols import Context
+
+log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -66,6 +73,50 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
         seconds.append(float(np.median(times[1:])))
     ctx.clear()
     return VerifyCost(tuple(sizes), tuple(seconds))
+
+
+def cache_path() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
+    return Path(base) / "staged-chat" / "costs.json"
+
+
+def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
+                       refresh: bool = False) -> VerifyCost:
+    """``measure_verify_cost``, remembered per machine, model file and settings.
+
+    Measuring a large model's curve takes seconds at every start; the curve only changes with
+    the file, the threads, the batch size and llama.cpp's build, which ``ctx.cost_key`` names
+    (contexts without one are always measured). A cache that cannot be read or written is
+    ignored: the measurement is then simply taken again.
+    """
+    key = getattr(ctx, "cost_key", None)
+    if key is None:
+        return measure_verify_cost(ctx, max_tokens)
+    path = path or cache_path()
+    digest = hashlib.sha256(f"{key}|{max_tokens}".encode()).hexdigest()[:24]
+    entries = _read_cache(path)
+    hit = entries.get(digest)
+    if hit is not None and not refresh:
+        return VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]))
+    cost = measure_verify_cost(ctx, max_tokens)
+    entries[digest] = {"sizes": list(cost.sizes), "seconds": list(cost.seconds),
+                       "measured": time.time()}
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(entries))
+        tmp.replace(path)
+    except OSError as exc:
+        log.info("decode costs not cached: %s", exc)
+    return cost
+
+
+def _read_cache(path: Path) -> dict:
+    try:
+        data = json.loads(path.read_text())
+    except (OSError, ValueError):
+        return {}
+    return data if isinstance(data, dict) else {}
 
 
 def best_size(scores: Sequence[float], cost: VerifyCost, t_draft: float,

@@ -20,8 +20,8 @@ from .costmodel import (
     Calibration,
     VerifyCost,
     best_size,
+    cached_verify_cost,
     guess_length,
-    measure_verify_cost,
 )
 from .drafting import (
     DraftCounters,
@@ -180,12 +180,12 @@ class Engine:
         if self.verify_cost is None or force:
             n = min(max(budget.max_nodes, self.config.chain_length, 16) + 1,
                     self.target.ctx.n_batch)
-            self.verify_cost = measure_verify_cost(self.target.ctx, n)
+            self.verify_cost = cached_verify_cost(self.target.ctx, n, refresh=force)
             self.target.reset()
             log.info("verify cost (ms): %s", _ms(self.verify_cost))
         if self.draft is not None and (self.draft_cost is None or force):
             n = min(budget.max_nodes + self.config.lookahead + 1, self.draft.ctx.n_batch)
-            self.draft_cost = measure_verify_cost(self.draft.ctx, n)
+            self.draft_cost = cached_verify_cost(self.draft.ctx, n, refresh=force)
             self.draft.reset()
             log.info("draft cost (ms): %s", _ms(self.draft_cost))
         if self.planner is None or force:
@@ -250,6 +250,8 @@ class Engine:
             stage2_proposed=counters.stage2_proposed, stage2_used=counters.stage2_used,
             t_draft=counters.t_draft, t_stage2=counters.t_stage2, t_verify=t2 - t1,
             t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
+        if self.planner is not None:
+            self.planner.steps_overhead.add(stats.t_other)
         return [*accepted, verdict.next_token], origins, stats
 
     def _auto_tree(self, drafter: Drafter, committed: list[int], budget: TreeBudget,

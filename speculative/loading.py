@@ -42,7 +42,8 @@ def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:
                                  f"target {target.path.name}: {why}")
 
 
-def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig) -> ModelPair:
+def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig,
+              gpu_layers: tuple[int, int] = (0, 0)) -> ModelPair:
     """Load both models, check they share a tokenizer, and create their contexts.
 
     Both contexts get the same window (the smaller trained context wins, or ``ContextTooLarge``
@@ -50,8 +51,9 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
     was loaded so far is freed, and models loaded elsewhere are untouched.
     """
     with contextlib.ExitStack() as stack:
-        t_model = stack.enter_context(LlamaModel(target))
-        d_model = stack.enter_context(LlamaModel(draft)) if draft is not None else None
+        t_model = stack.enter_context(LlamaModel(target, gpu_layers=gpu_layers[0]))
+        d_model = (stack.enter_context(LlamaModel(draft, gpu_layers=gpu_layers[1]))
+                   if draft is not None else None)
         n_ctx = fit_window(config, t_model.n_ctx_train, t_model.path.name)
         if d_model is not None:
             check_compatible(t_model, d_model)

@@ -59,7 +59,8 @@ class Planner:
 
     target: VerifyCost
     draft: VerifyCost | None
-    overhead: float = 0.0     # seconds per step outside the target and the draft
+    # seconds per step outside the target and the draft (Python bookkeeping), running
+    steps_overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
     # the draft's probability of its best child at an expanded node (its confidence)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
     # P(an n-gram guess is accepted | its parent was): the chain's per-level hit rate
@@ -97,6 +98,10 @@ class Planner:
                 if cost > 0 and gain / cost > best_ratio:
                     best_m, best_ratio = m, gain / cost
         return best_m
+
+    @property
+    def overhead(self) -> float:
+        return self.steps_overhead.value
 
     def best_cut(self, scores: list[float], t_spent: float, calibration: float,
                  ) -> tuple[int, float]:

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
 
 import pytest
 
 os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
+# caches (decode-cost curves, ...) of this test session only, never the user's
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="staged-chat-test-cache-")
 
 from models.gguf_writer import Gpt2Config, random_gpt2_weights, read_vocab, write_gpt2_gguf
 

@@ -50,6 +50,9 @@ class SettingsDialog(QDialog):
         self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
         self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
         self.n_ctx.setSingleStep(128)
+        self.gpu_layers = _spin(-1, 1000, "target layers on a GPU (-1: all; 0: CPU only). Needs "
+                                          "llama-cpp-python built with a GPU backend")
+        self.draft_gpu_layers = _spin(-1, 1000, "draft layers on a GPU (-1: all; 0: CPU only)")
         self.theme = QComboBox()
         for value, label in (("system", "Follow the system"), ("light", "Light"),
                              ("dark", "Dark")):
@@ -74,6 +77,8 @@ class SettingsDialog(QDialog):
         form = QFormLayout(perf)
         form.addRow("Threads", self.threads)
         form.addRow("Context size", self.n_ctx)
+        form.addRow("GPU layers (target)", self.gpu_layers)
+        form.addRow("GPU layers (draft)", self.draft_gpu_layers)
         look = QGroupBox("Appearance")
         form = QFormLayout(look)
         form.addRow("Theme", self.theme)
@@ -92,7 +97,7 @@ class SettingsDialog(QDialog):
         self.set_settings(settings)
         for w in (self.max_nodes, self.max_depth, self.max_children, self.chain_length,
                   self.lookahead, self.top_k, self.max_tokens, self.seed, self.threads,
-                  self.n_ctx):
+                  self.n_ctx, self.gpu_layers, self.draft_gpu_layers):
             w.valueChanged.connect(self._edited)
         for w in (self.temperature, self.top_p):
             w.valueChanged.connect(self._edited)
@@ -108,7 +113,7 @@ class SettingsDialog(QDialog):
         self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
         for name in ("max_nodes", "max_depth", "max_children", "chain_length", "lookahead",
                      "top_k", "max_tokens", "seed", "threads", "n_ctx", "temperature",
-                     "top_p"):
+                     "top_p", "gpu_layers", "draft_gpu_layers"):
             getattr(self, name).setValue(getattr(s, name))
         self.adaptive.setChecked(s.adaptive)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
@@ -124,6 +129,7 @@ class SettingsDialog(QDialog):
             top_k=self.top_k.value(), top_p=self.top_p.value(),
             max_tokens=self.max_tokens.value(), seed=self.seed.value(),
             threads=self.threads.value(), n_ctx=self.n_ctx.value(),
+            gpu_layers=self.gpu_layers.value(), draft_gpu_layers=self.draft_gpu_layers.value(),
             theme=self.theme.currentData()).validated()
 
     def _edited(self) -> None:

@@ -4,7 +4,13 @@ from __future__ import annotations
 
 import pytest
 
-from speculative.costmodel import Calibration, VerifyCost, best_size, measure_verify_cost
+from speculative.costmodel import (
+    Calibration,
+    VerifyCost,
+    best_size,
+    cached_verify_cost,
+    measure_verify_cost,
+)
 from tests.fakes import FakeContext, logit_table
 
 
@@ -51,3 +57,35 @@ def test_guesses_ride_along_only_where_they_are_cheap() -> None:
     flat = VerifyCost((1, 8), (1.0, 1.05))
     assert guess_length(flat, batch=1, max_len=4, hit_rate=0.25) == 4
     assert guess_length(flat, batch=1, max_len=4, hit_rate=0.0) == 0
+
+
+class _Keyed(FakeContext):
+    cost_key = "fake-model|2 threads"
+
+
+def test_decode_costs_are_measured_once_per_model_and_settings(tmp_path) -> None:
+    cache = tmp_path / "costs.json"
+    ctx = _Keyed(logit_table(6, seed=0), n_ctx=64, n_batch=16)
+    first = cached_verify_cost(ctx, 8, cache)
+    decodes = ctx.decodes
+    assert decodes > 0 and cache.is_file()
+    assert cached_verify_cost(ctx, 8, cache) == first
+    assert ctx.decodes == decodes  # from the cache: no decode
+    again = cached_verify_cost(ctx, 8, cache, refresh=True)
+    assert ctx.decodes > decodes and again.sizes == first.sizes
+    other = _Keyed(logit_table(6, seed=0), n_ctx=64, n_batch=16)
+    other.cost_key = "fake-model|1 thread"
+    cached_verify_cost(other, 8, cache)
+    assert other.decodes > 0  # another key: measured
+    cache.write_text("not json")
+    assert cached_verify_cost(ctx, 8, cache).sizes == first.sizes  # a broken cache is remeasured
+
+
+def test_real_contexts_name_what_their_cost_depends_on(tiny_models) -> None:
+    from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+
+    with LlamaModel(tiny_models["q8_0-target"]) as m:
+        with LlamaContext(m, ContextConfig(n_ctx=64, n_batch=16, n_threads=1)) as one, \
+                LlamaContext(m, ContextConfig(n_ctx=64, n_batch=16, n_threads=2)) as two:
+            assert one.cost_key != two.cost_key
+            assert str(tiny_models["q8_0-target"].name) in one.cost_key
