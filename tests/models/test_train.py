@@ -165,3 +165,30 @@ def test_sinusoidal_positions_are_rotations_at_gpt2_scale() -> None:
     assert torch.allclose(angle, angle[0:1].expand_as(angle), atol=1e-6)
     normal = build(TINY, 0, seen=np.arange(64))
     assert not torch.allclose(normal.position_embd.weight, model.position_embd.weight)
+
+
+def test_short_windows_first_then_full_ones_and_resume_across_the_switch(tokens: np.ndarray,
+                                                                         tmp_path: Path) -> None:
+    cfg = dataclasses.replace(STEPS, steps=6, short_window=16, short_steps=3, save_every=2)
+    torch.set_num_threads(cfg.threads)
+    shapes = []
+    model = build(TINY, 0, seen=tokens)
+    original = model.forward
+
+    def record(x, y, *rest):
+        shapes.append(tuple(x.shape))
+        return original(x, y, *rest)
+
+    model.forward = record
+    train(model, tokens, cfg, progress=False)
+    n = STEPS.batch_size * TINY.n_ctx  # tokens per step, the same in both phases
+    assert shapes == [(n // 16, 16)] * 3 + [(STEPS.batch_size, TINY.n_ctx)] * 3
+    whole = build(TINY, 0, seen=tokens)
+    train(whole, tokens, cfg, progress=False)
+    ckpt = tmp_path / "run.pt"
+    train(build(TINY, 0, seen=tokens), tokens, dataclasses.replace(cfg, steps=4),
+          progress=False, checkpoint=ckpt)
+    resumed = build(TINY, 0, seen=tokens)
+    train(resumed, tokens, cfg, progress=False, checkpoint=ckpt)
+    a, b = whole.state_dict(), resumed.state_dict()
+    assert all(torch.equal(a[k], b[k]) for k in a)
