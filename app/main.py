@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import ctypes
 import dataclasses
 import logging
 import sys
@@ -26,7 +27,33 @@ from app.ui.theme import apply_theme
 log = logging.getLogger(__name__)
 
 
+def keep_none_alive() -> bool:
+    """Give ``None`` references to spare if this PySide6 drops one per call; True if it does.
+
+    PySide6 6.12.0 on Python 3.11 steals a reference to ``None`` on every call of a Qt method
+    that returns void (``label.setText(...)`` lowers ``sys.getrefcount(None)`` by one). After a
+    few tens of thousands of such calls, minutes of streaming, the interpreter "deallocates"
+    None and aborts (Fatal Python error: none_dealloc). From Python 3.12 on None is immortal and
+    the stray decrefs are harmless; before it, a huge reference count has the same effect.
+    Measured rather than keyed to versions, so a fixed PySide6 is left alone."""
+    if sys.version_info >= (3, 12):
+        return False
+    if sys.getrefcount(None) > 1 << 39:  # given already
+        return True
+    probe = QObject()
+    before = sys.getrefcount(None)
+    for _ in range(64):
+        probe.setObjectName("probe")
+    if sys.getrefcount(None) > before - 32:
+        return False
+    # ob_refcnt is the first field of every object in CPython's release builds
+    ctypes.c_ssize_t.from_address(id(None)).value += 1 << 40
+    log.info("this PySide6 drops references to None: gave it 2**40 to spare")
+    return True
+
+
 def create_app() -> QApplication:
+    keep_none_alive()
     app = QApplication.instance()
     if app is None:
         app = QApplication(sys.argv[:1])
