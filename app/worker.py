@@ -2,10 +2,11 @@
 
 ``EngineWorker`` is a QObject moved to its own QThread (superqt's generator-worker pattern,
 GPT4All's ``ChatLLM`` thread): the GUI asks through queued signals, the worker runs the engine's
-generator and turns every ``Step`` into a signal. Stop is a ``threading.Event`` the GUI sets
-directly (the worker's event loop is busy while it generates) and the engine checks it between
-steps. Settings that change mid-generation are handed over under a lock and applied between
-steps. Every failure becomes a ``failed`` signal with a reason; nothing propagates into Qt.
+generator and turns every ``Step`` into a signal. Stop is a request id the GUI sets directly
+(the worker's event loop is busy while it generates): every request up to it, running or
+queued, is stopped, and the engine checks it between steps. Settings that change
+mid-generation are handed over under a lock and applied between steps. Every failure becomes a
+``failed`` signal with a reason; nothing propagates into Qt.
 
 ``EngineController`` lives on the GUI thread: it owns the thread and offers plain methods.
 """
@@ -17,6 +18,7 @@ import contextlib
 import dataclasses
 import logging
 import os
+import sys
 import threading
 import time
 from collections.abc import Iterator
@@ -154,7 +156,10 @@ class EngineWorker(QObject):
 
     def __init__(self) -> None:
         super().__init__()
-        self._cancel = threading.Event()
+        # requests with an id up to this are stopped: a Stop pressed before the worker picks a
+        # queued request up (it was loading models, or still busy) must stop that request too,
+        # so the worker never clears it; an int is read and written atomically under the GIL
+        self._stop_upto = 0
         self._lock = threading.Lock()
         self._live: AppSettings | None = None  # settings handed over mid-generation
         self._pair: ModelPair | None = None
@@ -163,8 +168,13 @@ class EngineWorker(QObject):
         self._info: ModelInfo | None = None
 
     # --- called from the GUI thread directly (thread-safe) ---
-    def cancel(self) -> None:
-        self._cancel.set()
+    def cancel(self, upto: int = sys.maxsize) -> None:
+        """Stop the running request and the queued ones with ids up to ``upto`` (all, by
+        default: shutting down)."""
+        self._stop_upto = max(self._stop_upto, upto)
+
+    def _stopped(self, request_id: int) -> bool:
+        return request_id <= self._stop_upto
 
     def update_settings(self, settings: AppSettings) -> None:
         """Apply from the next step of the running reply (what the loaded models allow)."""
@@ -174,7 +184,6 @@ class EngineWorker(QObject):
     # --- slots, run on the worker thread through queued signals ---
     @Slot(object)
     def load(self, settings: AppSettings) -> None:
-        self._cancel.clear()
         try:
             self._load(settings)
         except _EXPECTED as exc:
@@ -188,7 +197,6 @@ class EngineWorker(QObject):
 
     @Slot(object)
     def generate(self, request: ChatRequest) -> None:
-        self._cancel.clear()
         try:
             engine = self._ready(request.settings)
             prompt = self._prompt(request)
@@ -210,7 +218,6 @@ class EngineWorker(QObject):
     def race(self, request: ChatRequest) -> None:
         """Plain decoding, then the current speculation, one after the other (run at once they
         would share the cores and slow each other down), each timed step by step."""
-        self._cancel.clear()
         try:
             engine = self._ready(request.settings)
             prompt = self._prompt(request)
@@ -254,6 +261,9 @@ class EngineWorker(QObject):
     @Slot()
     def shutdown(self) -> None:
         self._close()
+        # the thread ends here, after the models are freed: a quit() from the GUI thread could
+        # end its event loop before this queued call ran, leaving the llama.cpp contexts alive
+        self.thread().quit()
 
     # --- internals ---
     def _ready(self, settings: AppSettings) -> Engine:
@@ -322,7 +332,7 @@ class EngineWorker(QObject):
         stop = {self._pair.target.vocab.eos}
         params = request.settings.sampling(request.seed)
         steps = engine.generate(prompt.tokens, request.settings.max_tokens, params, stop=stop,
-                                cancel=self._cancel.is_set, run=run)
+                                cancel=lambda: self._stopped(request.request_id), run=run)
         with contextlib.closing(steps):
             for step in steps:
                 yield step.tokens, step.origins, step.stats, step.finish
@@ -477,7 +487,8 @@ class EngineController(QObject):
         self._check.emit(target, drafts)
 
     def stop(self) -> None:
-        self.worker.cancel()
+        """Stop every request sent so far, running or still queued."""
+        self.worker.cancel(self._next_id)
 
     def update_settings(self, settings: AppSettings) -> None:
         self.worker.update_settings(settings)
@@ -485,8 +496,7 @@ class EngineController(QObject):
     def shutdown(self, timeout_ms: int = 30_000) -> bool:
         """Stop what runs, free the models on their own thread, end the thread."""
         self.worker.cancel()
-        self._shutdown.emit()
-        self.thread.quit()
+        self._shutdown.emit()  # the worker frees the models, then quits its thread
         return self.thread.wait(timeout_ms)
 
     def info(self) -> Any:

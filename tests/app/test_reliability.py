@@ -8,10 +8,12 @@ generator after a few steps (on the engine thread) until the test has acted.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import os
 import subprocess
 import sys
 import threading
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -19,10 +21,12 @@ from typing import Any
 import pytest
 
 from app import worker as worker_module
-from app.history import Message
+from app.history import FINISH_REASONS, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
 from app.ui.main_window import MainWindow
+from app.worker import StepEvent
+from models.catalog import builtin_pair
 from speculative.engine import Step
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -181,6 +185,111 @@ def test_a_reply_that_reaches_the_end_of_the_window_stops_with_context(
     assert _messages(window)[-1].role == "assistant"
     assert "oldest" in window.banner.text()
     window.close()
+
+
+# ---------------------------------------------------------------- interruptions
+
+
+def test_stop_while_models_load_stops_the_queued_reply(qtbot: Any, data_dir: Path) -> None:
+    """Stop pressed before the engine picked the request up (it was loading models) still
+    stops that reply; before the fix the worker cleared the flag when it began the reply."""
+    window = _open(qtbot, data_dir, max_tokens=400)
+    target, _ = builtin_pair()
+    with qtbot.waitSignals([window.models_loaded, window.reply_finished], timeout=REPLY_MS):
+        window.apply_settings(dataclasses.replace(window.settings, target_path=str(target),
+                                                  draft_path="", mode="ngram"))
+        window.send_text(LONG)
+        window.stop()
+    reply = _messages(window)[-1]
+    assert reply.role == "assistant" and reply.finish == "cancelled" and not reply.tokens
+    assert _idle(window) and window.info is not None and window.info.draft is None
+    _send(qtbot, window, "x = 1\n")  # the flag does not stick to the next reply
+    assert _messages(window)[-1].finish in ("stop", "length", "context")
+
+
+def test_rapid_send_and_stop_ends_idle_with_every_reply_finished(
+        qtbot: Any, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, max_tokens=400)
+    for cycle in range(10):
+        if cycle % 2:  # stop as the first step is shown
+            window.step_shown.connect(window.stop)
+        with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+            request_id = window.send_text(f"{LONG}    # cycle {cycle}\n")
+            assert request_id is not None
+            assert window.send_text("refused while a reply runs") is None
+            if cycle % 2 == 0:  # stop at once, before the engine has begun
+                window.stop()
+        if cycle % 2:
+            window.step_shown.disconnect(window.stop)
+        assert _idle(window)
+    replies = [m for m in _messages(window) if m.role == "assistant"]
+    assert len(replies) == 10
+    assert all(m.finish in FINISH_REASONS and m.finish != "error" for m in replies)
+    assert all(m.finish == "cancelled" and not m.tokens for m in replies[::2])
+    assert all(len(m.tokens) < 400 for m in replies)
+    assert window.banner.kind != "error" or window.banner.isHidden()
+    window.close()
+
+
+def test_settings_changed_mid_reply_apply_from_the_next_step(
+        qtbot: Any, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, mode="plain", max_tokens=120)
+    _send(qtbot, window, LONG)
+    plain = _messages(window)[-1]
+    window.new_conversation()
+    steps: list[StepEvent] = []
+    window.step_shown.connect(steps.append)
+    gate, request_id = _hold(qtbot, window, LONG, after=2)
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS,
+                          check_params_cb=_is(request_id)):
+        window.apply_settings(dataclasses.replace(window.settings, mode="tree", max_nodes=8,
+                                                  max_depth=4, temperature=0.0))
+        gate.open()
+    reply = _messages(window)[-1]
+    assert reply.finish in ("stop", "length", "context")
+    assert reply.mode == "tree"  # applied mid-reply
+    assert sum(ev.stats.drafted for ev in steps[2:]) > 0  # the draft tree, from the next step
+    assert all(ev.stats.drafted <= 8 for ev in steps)
+    assert reply.tokens == plain.tokens  # greedy: switching modes mid-reply is lossless
+    _send(qtbot, window, "x = 1\n")
+    assert _messages(window)[-1].mode == "tree"
+    window.close()
+
+
+def test_models_changed_mid_reply_end_it_cleanly_and_load(qtbot: Any, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, max_tokens=400)
+    gate, request_id = _hold(qtbot, window, LONG)
+    target, _ = builtin_pair()
+    with qtbot.waitSignals([window.reply_finished, window.models_loaded], timeout=REPLY_MS,
+                           check_params_cbs=[_is(request_id), None]):
+        window.apply_settings(dataclasses.replace(window.settings, target_path=str(target),
+                                                  draft_path="", mode="ngram"))
+        gate.open()
+    reply = _messages(window)[-1]
+    assert reply.role == "assistant" and reply.finish in ("cancelled", "stop", "length",
+                                                          "context")
+    assert window.info is not None and window.info.draft is None
+    assert _idle(window)
+    _send(qtbot, window, "x = 1\n")
+    assert _messages(window)[-1].mode == "ngram"
+    window.close()
+
+
+def test_closing_mid_reply_ends_the_thread_and_frees_the_models(
+        qtbot: Any, data_dir: Path) -> None:
+    threads = threading.active_count()
+    window = _open(qtbot, data_dir, max_tokens=400)
+    pair = window.controller.worker._pair
+    assert pair is not None and pair.draft_ctx is not None
+    gate, _ = _hold(qtbot, window, LONG)
+    t0 = time.perf_counter()
+    window.close()
+    assert time.perf_counter() - t0 < 5.0
+    gate.open()
+    assert window.controller.thread.isFinished()
+    assert window.controller.worker._pair is None  # freed on the engine thread, not by GC
+    assert pair.target_ctx._ctx is None and pair.draft_ctx._ctx is None
+    assert threading.active_count() == threads
 
 
 # ---------------------------------------------------------------- long sessions
