@@ -63,18 +63,33 @@ def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
     verification looks at the argmax only).
     """
     temp = params.temperature or 1.0
+    if params.top_k and params.top_k < np.size(logits):
+        return _top_k_distribution(np.asarray(logits), temp, params)
     z = np.asarray(logits, dtype=np.float64) / temp
-    if params.top_k and params.top_k < z.size:
-        kth = top_k(z, params.top_k)
-        masked = np.full_like(z, -np.inf)
-        masked[kth] = z[kth]
-        z = masked
     p = softmax(z)
     if params.top_p < 1.0:
         keep = _top_p_keep(p, params.top_p)
         q = np.zeros_like(p)
         q[keep] = p[keep]
         p = q / q.sum()
+    return p
+
+
+def _top_k_distribution(logits: np.ndarray, temp: float, params: SamplingParams) -> np.ndarray:
+    """``distribution`` when top-k keeps k of V tokens: the softmax, and top-p, over those k only
+    (the others' probability is exactly 0 either way). A full-vocabulary softmax per drafted
+    node was most of a sampled step's bookkeeping time."""
+    kth = top_k(logits, params.top_k)  # largest first, ties to the smaller id
+    z = logits[kth].astype(np.float64) / temp
+    e = np.exp(z - z[0])
+    kept = e / e.sum()
+    if params.top_p < 1.0:
+        # kth is already in top-p's order (descending probability, then ascending id)
+        cut = int(np.searchsorted(np.cumsum(kept), params.top_p * (1 - 1e-12))) + 1
+        kept = kept[:cut] / kept[:cut].sum()
+        kth = kth[:cut]
+    p = np.zeros(logits.size, dtype=np.float64)
+    p[kth] = kept
     return p
 
 
