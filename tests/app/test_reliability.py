@@ -10,6 +10,8 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import os
+import signal
+import sqlite3
 import subprocess
 import sys
 import threading
@@ -21,7 +23,7 @@ from typing import Any
 import pytest
 
 from app import worker as worker_module
-from app.history import FINISH_REASONS, Message
+from app.history import FINISH_REASONS, History, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
 from app.ui.main_window import MainWindow
@@ -243,7 +245,7 @@ def test_settings_changed_mid_reply_apply_from_the_next_step(
     with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS,
                           check_params_cb=_is(request_id)):
         window.apply_settings(dataclasses.replace(window.settings, mode="tree", max_nodes=8,
-                                                  max_depth=4, temperature=0.0))
+                                                  max_depth=4))
         gate.open()
     reply = _messages(window)[-1]
     assert reply.finish in ("stop", "length", "context")
@@ -251,8 +253,24 @@ def test_settings_changed_mid_reply_apply_from_the_next_step(
     assert sum(ev.stats.drafted for ev in steps[2:]) > 0  # the draft tree, from the next step
     assert all(ev.stats.drafted <= 8 for ev in steps)
     assert reply.tokens == plain.tokens  # greedy: switching modes mid-reply is lossless
+
+
+def test_temperature_changed_mid_reply_applies_to_the_next_reply(
+        qtbot: Any, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    window = _open(qtbot, data_dir, max_tokens=120)
+    sent: list[Any] = []
+    real = window.controller.generate
+    monkeypatch.setattr(window.controller, "generate", lambda r: (sent.append(r), real(r)))
+    gate, request_id = _hold(qtbot, window, LONG)
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS,
+                          check_params_cb=_is(request_id)):
+        window.apply_settings(dataclasses.replace(window.settings, temperature=0.9,
+                                                  top_k=20, mode="ngram"))
+        gate.open()
+    assert _messages(window)[-1].finish in ("stop", "length", "context")
     _send(qtbot, window, "x = 1\n")
-    assert _messages(window)[-1].mode == "tree"
+    assert sent[-1].settings.temperature == 0.9 and sent[-1].settings.top_k == 20
+    assert _messages(window)[-1].mode == "ngram"
     window.close()
 
 
@@ -290,6 +308,73 @@ def test_closing_mid_reply_ends_the_thread_and_frees_the_models(
     assert window.controller.worker._pair is None  # freed on the engine thread, not by GC
     assert pair.target_ctx._ctx is None and pair.draft_ctx._ctx is None
     assert threading.active_count() == threads
+
+
+
+# ---------------------------------------------------------------- history
+
+
+def test_sigkill_while_a_reply_streams_loses_at_most_that_reply(data_dir: Path) -> None:
+    data_dir.mkdir(parents=True)
+    db = data_dir / "history.sqlite3"
+    env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
+    app = subprocess.Popen(
+        [sys.executable, "-m", "app.cli", "app", "--data-dir", str(data_dir), "--prompt", LONG,
+         "--max-tokens", "4096", "--temp", "0", "--mode", "tree"],
+        cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    try:
+        deadline = time.monotonic() + LOAD_MS / 1000
+        while not _has_user_message(db):  # the reply is requested right after it is stored
+            assert app.poll() is None, app.stderr.read().decode() if app.stderr else ""
+            assert time.monotonic() < deadline, "the app never stored the message"
+            time.sleep(0.01)
+        app.send_signal(signal.SIGKILL)
+        app.wait(30)
+    finally:
+        if app.poll() is None:
+            app.kill()
+            app.wait(30)
+        if app.stderr is not None:
+            app.stderr.close()
+    assert app.returncode == -signal.SIGKILL
+    with contextlib.closing(sqlite3.connect(db)) as raw:
+        assert raw.execute("PRAGMA integrity_check").fetchone()[0] == "ok"
+    with History(db) as history:
+        assert history.recovered_from is None
+        [conversation] = history.conversations()
+        messages = history.messages(conversation.id)
+    assert [m.role for m in messages][:1] == ["user"] and messages[0].text == LONG
+    assert len(messages) <= 2  # the reply, if it was stored before the kill, is whole:
+    assert all(m.finish in FINISH_REASONS for m in messages[1:])
+
+
+def _has_user_message(db: Path) -> bool:
+    """Whether the app has committed a user message, read through a read-only connection."""
+    if not db.exists():
+        return False
+    try:
+        with contextlib.closing(sqlite3.connect(f"file:{db}?mode=ro", uri=True,
+                                                timeout=1)) as ro:
+            return ro.execute("SELECT 1 FROM messages WHERE role = 'user'").fetchone() \
+                is not None
+    except sqlite3.OperationalError:  # not created yet, or the schema is being written
+        return False
+
+
+def test_a_corrupt_history_file_is_kept_aside_and_chatting_works(
+        qtbot: Any, data_dir: Path) -> None:
+    data_dir.mkdir(parents=True)
+    damaged = b"SQLite format 3\x00" + bytes(range(256)) * 64
+    (data_dir / "history.sqlite3").write_bytes(damaged)
+    window = _open(qtbot, data_dir)
+    assert window.banner.kind == "warning" and "damaged" in window.banner.text()
+    [backup] = data_dir.glob("history.sqlite3.corrupt-*")
+    assert backup.name in window.banner.text()
+    assert backup.read_bytes() == damaged
+    _send(qtbot, window, "x = 1\n")
+    assert [m.role for m in _messages(window)] == ["user", "assistant"]
+    assert len(window.list_model.items) == 1
+    window.close()
 
 
 # ---------------------------------------------------------------- long sessions
