@@ -363,27 +363,32 @@ class EngineWorker(QObject):
         for step_tokens, step_origins, stats, step_finish in self._steps(engine, request,
                                                                          prompt, run):
             pieces = []
+            stopped_inside = False
             for tok, origin in zip(step_tokens, step_origins, strict=True):
                 piece = decoder.decode(vocab.piece(tok))
                 cut = find_stop(text + piece, stops)
                 if cut is not None:  # the reply ends inside this token
                     pieces.append((piece[:max(0, cut - len(text))], origin))
                     text = text + piece[:max(0, cut - len(text))]
-                    step_finish = "stop"
+                    step_finish, stopped_inside = "stop", True
                     break
                 pieces.append((piece, origin))
                 text += piece
                 tokens.append(tok)
                 origins.append(origin)
+            if step_finish is not None and not stopped_inside:
+                # a character whose bytes the reply ended in the middle of: U+FFFD, in this
+                # step's pieces (what the chat view draws) as in the text (what is stored)
+                tail = decoder.decode(b"", final=True)
+                if tail:
+                    pieces.append((tail, origins[-1] if origins else "target"))
+                    text += tail
             shown += pieces
             self.step.emit(StepEvent(request.request_id, pieces, step_tokens[:len(pieces)],
                                      stats))
             if step_finish is not None:
                 finish = step_finish
                 break
-        tail = decoder.decode(b"", final=True)
-        text += tail
-        shown.append((tail, "target"))
         return ReplyDone(request.request_id, text, tokens, origins, finish, run,
                          engine.config.mode.value, shown)
 

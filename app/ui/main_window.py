@@ -382,7 +382,9 @@ class MainWindow(QMainWindow):
     def send(self) -> int | None:
         if self.pending is not None:
             return None
-        text = self.input.toPlainText()
+        # the raw text: toPlainText() turns no-break spaces into spaces, changing what was typed
+        # (a string literal, say); blocks are joined by U+2029 in it, lines by "\n" in ours
+        text = self.input.document().toRawText().replace("\u2029", "\n")
         if not text.strip():
             return None
         fmt = FORMATS[self._format()]

@@ -30,6 +30,7 @@ from app.ui.main_window import MainWindow
 from app.worker import StepEvent
 from models.catalog import builtin_pair
 from speculative.engine import Step
+from speculative.stats import StepStats
 
 ROOT = Path(__file__).resolve().parents[2]
 LOAD_MS = 120_000
@@ -376,6 +377,109 @@ def test_a_corrupt_history_file_is_kept_aside_and_chatting_works(
     assert len(window.list_model.items) == 1
     window.close()
 
+
+# ---------------------------------------------------------------- odd text
+
+ODD_TEXTS = {
+    "control characters": "tab\there, bell\x07, escape \x1b[31mred\x1b[0m, feed\x0c, DEL\x7f",
+    "NUL": "before\x00after",
+    "emoji": "party \U0001f389 family \U0001f468\u200d\U0001f469\u200d\U0001f467 "
+             "flag \U0001f1eb\U0001f1f7 thumb \U0001f44d\U0001f3fd",
+    "right to left": "\u202eoverride\u202c \u05e9\u05dc\u05d5\u05dd \u0645\u0631\u062d\u0628\u0627",
+    "combining and odd spaces": "e\u0301 \ufeff\u200b\u00a0\u3000 Z\u0335\u0321a",
+    "20,000-character line": "".join(f"w{i % 997} " for i in range(4000))[:20_000],
+}
+
+
+@pytest.mark.parametrize("text", ODD_TEXTS.values(), ids=ODD_TEXTS.keys())
+def test_odd_text_is_shown_and_stored_exactly_as_sent(
+        qtbot: Any, data_dir: Path, text: str) -> None:
+    window = _open(qtbot, data_dir, max_tokens=8)
+    _send(qtbot, window, text)
+    sent = text + "\n"  # code completion: Enter ends the line
+    [user, *reply] = _messages(window)
+    assert user.role == "user" and user.text == sent
+    assert window.chat.messages[0].role == "user" and window.chat.plain_text_of(0) == sent
+    assert sent.rstrip("\n") in _drawn(window)
+    assert _idle(window)
+    if len(text) > 10_000:  # thousands of tokens: more than the 512-token window
+        assert window.banner.kind == "error" and "512" in window.banner.text() and not reply
+    else:
+        assert [m.role for m in reply] == ["assistant"]
+        assert window.chat.last_reply_text() == reply[0].text
+    window.close()
+    again = _open(qtbot, data_dir)
+    assert again.chat.plain_text_of(0) == sent
+    again.close()
+
+
+@pytest.mark.parametrize("text", ["", "   ", "\n\t \n", "\u3000\u2028"])
+def test_an_empty_or_blank_prompt_is_not_sent(qtbot: Any, data_dir: Path, text: str) -> None:
+    window = _open(qtbot, data_dir)
+    assert window.send_text(text) is None
+    assert window.pending is None and window.conversation is None
+    assert window.history.conversations() == [] and window.chat.messages == []
+    window.close()
+
+
+def _drawn(window: MainWindow) -> str:
+    """The chat view's document as drawn (raw: toPlainText() would turn no-break spaces into
+    spaces), blocks joined by newlines."""
+    return window.chat.document().toRawText().replace("\u2029", "\n")
+
+
+def _steps_of(tokens: list[int], size: int) -> Callable[..., Iterator[Step]]:
+    """A stand-in for ``Engine.generate`` that emits ``tokens``, ``size`` per step."""
+
+    def generate(*_args: Any, run: Any = None, **_kwargs: Any) -> Iterator[Step]:
+        for i in range(0, len(tokens), size):
+            chunk = tokens[i:i + size]
+            stats = StepStats(0, 0, 0, len(chunk), {"draft": 0, "ngram": 0,
+                                                    "target": len(chunk)},
+                              0, 0, 0, 0.0, 0.0, 0.001, 0.0)
+            if run is not None:
+                run.add(stats)
+            last = i + size >= len(tokens)
+            yield Step(chunk, stats, "length" if last else None, ["target"] * len(chunk))
+
+    return generate
+
+
+def test_a_reply_split_inside_characters_is_shown_as_stored(
+        qtbot: Any, data_dir: Path) -> None:
+    """GPT-2 writes a character of several UTF-8 bytes as several byte tokens. The engine's
+    steps are replaced by real token ids whose pieces split characters, hold a stray
+    continuation byte, and end in the middle of an emoji."""
+    window = _open(qtbot, data_dir, mode="plain")
+    pair, engine = window.controller.worker._pair, window.controller.worker._engine
+    assert pair is not None and engine is not None
+    vocab = pair.target.vocab
+    stray = next(t for t in range(256) if vocab.piece(t) == b"\x80")
+    tokens = [*vocab.tokenize(" caf\u00e9 \u65e5\u672c\u8a9e \U0001f389!"), stray,
+              *vocab.tokenize(" ok"), *vocab.tokenize("\U0001f40d")[:1]]
+    pieces = [vocab.piece(t) for t in tokens]
+    assert sum(not _utf8(p) for p in pieces) >= 3  # characters really are split
+    engine.generate = _steps_of(tokens, 3)  # type: ignore[method-assign]
+    steps: list[StepEvent] = []
+    window.step_shown.connect(steps.append)
+    _send(qtbot, window, "s = '")
+    reply = _messages(window)[-1]
+    expected = b"".join(pieces).decode("utf-8", "replace")
+    assert reply.text == expected and expected.endswith("!\ufffd ok\ufffd")
+    assert reply.text.encode("utf-8")  # a valid str: no lone surrogates
+    assert "".join(t for ev in steps for t, _ in ev.pieces) == reply.text
+    assert window.chat.last_reply_text() == reply.text and reply.text in _drawn(window)
+    assert reply.tokens == tokens
+    assert sum(n for n, _ in reply.stats["origin_runs"]) == len(reply.text)
+    window.close()
+
+
+def _utf8(piece: bytes) -> bool:
+    try:
+        piece.decode("utf-8")
+    except UnicodeDecodeError:
+        return False
+    return True
 
 # ---------------------------------------------------------------- long sessions
 
