@@ -73,6 +73,8 @@ class TrainConfig:
     short_window: int = 0
     short_steps: int = 0
     heads: int = 0               # 0: the model's own head count (head size 64)
+    layers: int = 0              # 0: the model's own depth
+    width: int = 0               # 0: the model's own embedding size
     save_every: int = 0          # steps between resumable checkpoints (0: none)
     weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
@@ -344,7 +346,7 @@ def _phase_batches(data: np.ndarray, n_ctx: int, cfg: TrainConfig, step: int,
 # What must match for a checkpoint to continue a run (the step count may differ: see `schedule`)
 _RUN_IDENTITY = ("batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac",
                  "weight_decay", "betas", "grad_clip", "seed", "min_count", "distill",
-                 "pos_init", "short_window", "short_steps", "heads")
+                 "pos_init", "short_window", "short_steps", "heads", "layers", "width")
 
 
 def _save(path: Path, model: Gpt2, opt: torch.optim.Optimizer, cfg: TrainConfig,
@@ -507,7 +509,9 @@ def default_checkpoint(which: str, cfg: TrainConfig) -> Path:
 def model_config(which: str, cfg: TrainConfig) -> Gpt2Config:
     """The architecture of ``which``, with the run's head count if it sets one."""
     base = MODELS[which]
-    return dataclasses.replace(base, n_head=cfg.heads) if cfg.heads else base
+    return dataclasses.replace(base, n_head=cfg.heads or base.n_head,
+                               n_layer=cfg.layers or base.n_layer,
+                               n_embd=cfg.width or base.n_embd)
 
 
 def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig) -> Path:
@@ -531,7 +535,8 @@ def load_teacher(path: Path, seen: np.ndarray) -> Gpt2:
 
 
 def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
-        checkpoint: Path | None = None, teacher_path: Path | None = None) -> dict:
+        checkpoint: Path | None = None, teacher_path: Path | None = None,
+        init: Path | None = None) -> dict:
     """Train ``which`` on the corpus (``models.corpus``), export Q8_0 GGUF to ``out`` and write
     metrics beside it. Resumes from the run's checkpoint if one is there."""
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
@@ -541,6 +546,10 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
     counts = param_counts(model)
     log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
              len(corpus.train), len(corpus.valid))
+    if init is not None:  # continue from another run's weights (fresh optimizer and schedule)
+        state = torch.load(init, weights_only=False)
+        model.load_state_dict(state["model"])
+        log.info("weights from %s (step %s)", init, state.get("step"))
     teacher = load_teacher(teacher_path, seen) if teacher_path is not None else None
     stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress,
                   checkpoint=checkpoint or default_checkpoint(which, cfg), teacher=teacher)
@@ -561,6 +570,7 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
         "which": which, "config": dataclasses.asdict(model.cfg),
         "train_config": dataclasses.asdict(cfg), "parameters": counts,
         "teacher": str(teacher_path) if teacher_path else None,
+        "init": str(init) if init else None,
         **{k: v for k, v in stats.items() if k != "losses"},
         "loss_every_100_steps": [round(float(np.mean(stats["losses"][i:i + 100])), 4)
                                  for i in range(0, len(stats["losses"]), 100)],
@@ -579,7 +589,7 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
 
 
 def parse_args(argv: Sequence[str] | None,
-               ) -> tuple[str, Path, Path | None, bool, Path | None, TrainConfig]:
+               ) -> tuple[str, Path, Path | None, bool, Path | None, TrainConfig, Path | None]:
     defaults = TrainConfig()
     p = argparse.ArgumentParser(prog="python -m models.train", description=__doc__.split("\n")[0])
     p.add_argument("--which", choices=sorted(MODELS), required=True)
@@ -601,6 +611,10 @@ def parse_args(argv: Sequence[str] | None,
                    "~/.cache/staged-chat/train/WHICH-seedN.pt); an existing one is resumed")
     p.add_argument("--pos-init", choices=("normal", "sinusoidal"), default=defaults.pos_init,
                    help="start of the position table (sinusoidal: counting indentation is easier)")
+    p.add_argument("--init", type=Path,
+                   help="start from this checkpoint's weights (e.g. to distil a trained draft)")
+    p.add_argument("--layers", type=int, default=0, help="blocks (default: the model's)")
+    p.add_argument("--width", type=int, default=0, help="embedding size (default: the model's)")
     p.add_argument("--short-window", type=int, default=0,
                    help="train the first --short-steps steps on windows of this many tokens")
     p.add_argument("--short-steps", type=int, default=0)
@@ -626,17 +640,18 @@ def parse_args(argv: Sequence[str] | None,
         warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
         schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
         save_every=a.save_every, distill=a.distill, pos_init=a.pos_init,
-        short_window=a.short_window, short_steps=a.short_steps, heads=a.heads)
+        short_window=a.short_window, short_steps=a.short_steps, heads=a.heads,
+        layers=a.layers, width=a.width), a.init
 
 
 def main(argv: Sequence[str] | None = None) -> dict:
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s: %(message)s")
-    which, out, checkpoint, export_only, teacher, cfg = parse_args(argv)
+    which, out, checkpoint, export_only, teacher, cfg, init = parse_args(argv)
     if export_only:
         path = export_checkpoint(which, checkpoint or default_checkpoint(which, cfg), out, cfg)
         print(path)
         return {}
-    metrics = run(which, out, cfg, checkpoint=checkpoint, teacher_path=teacher)
+    metrics = run(which, out, cfg, checkpoint=checkpoint, teacher_path=teacher, init=init)
     print(json.dumps({k: v for k, v in metrics.items() if k not in ("held_out", "quick_valid")},
                      indent=1))
     return metrics
