@@ -59,6 +59,7 @@ from app.worker import (
     ReplyStarted,
     StepEvent,
 )
+from models.catalog import Catalog
 from speculative.stats import RunStats, StepStats
 
 log = logging.getLogger(__name__)
@@ -99,6 +100,7 @@ class MainWindow(QMainWindow):
         self.race_window: RaceWindow | None = None
         self.settings_dialog: SettingsDialog | None = None
         self.models_dialog: ModelsDialog | None = None
+        self.catalog: Catalog | None = None  # None: models/catalog.json (tests give their own)
         self._build()
         self._wire()
         self._frame = QTimer(self)
@@ -645,7 +647,7 @@ class MainWindow(QMainWindow):
 
     def open_models(self) -> None:
         self.models_dialog = ModelsDialog(self.downloads, self.settings.target_path,
-                                          self.settings.draft_path, self)
+                                          self.settings.draft_path, self, self.catalog)
         self.models_dialog.check_requested.connect(self.controller.check_drafts)
         self.models_dialog.chosen.connect(self._models_chosen)
         self.models_dialog.show()

@@ -59,9 +59,13 @@ class DownloadWorker(QObject):
 
 
 class Downloads(QObject):
-    """The download thread, owned by the main window (downloads outlive the dialog)."""
+    """The download thread, owned by the main window (downloads outlive the dialog). Its
+    signals repeat the worker's on the GUI thread."""
 
     _fetch = Signal(object)
+    progress = Signal(str, int, object)
+    done = Signal(str, str)
+    failed = Signal(str, str)
 
     def __init__(self, parent: QObject | None = None) -> None:
         super().__init__(parent)
@@ -74,11 +78,20 @@ class Downloads(QObject):
         self.active: set[str] = set()
         # bound methods of this QObject run on its (the GUI) thread; a lambda would run on the
         # download thread
-        self.worker.done.connect(self._ended)
-        self.worker.failed.connect(self._ended)
+        self.worker.progress.connect(self._progress)
+        self.worker.done.connect(self._done)
+        self.worker.failed.connect(self._failed)
 
-    def _ended(self, model_id: str, _detail: str) -> None:
+    def _progress(self, model_id: str, done: int, total: object) -> None:
+        self.progress.emit(model_id, done, total)
+
+    def _done(self, model_id: str, path: str) -> None:
         self.active.discard(model_id)
+        self.done.emit(model_id, path)
+
+    def _failed(self, model_id: str, reason: str) -> None:
+        self.active.discard(model_id)
+        self.failed.emit(model_id, reason)
 
     def start(self, entry: ModelEntry) -> None:
         if entry.id in self.active:
@@ -106,12 +119,12 @@ class ModelsDialog(QDialog):
     COLUMNS = ("Model", "Size", "Status", "")
 
     def __init__(self, downloads: Downloads, target: str, draft: str,
-                 parent: QWidget | None = None) -> None:
+                 parent: QWidget | None = None, catalog: Catalog | None = None) -> None:
         super().__init__(parent)
         self.setWindowTitle("Models")
         self.resize(860, 520)
         self.downloads = downloads
-        self.catalog: Catalog = load_catalog()
+        self.catalog: Catalog = catalog or load_catalog()
         self.hub = [m for m in self.catalog.models if not m.is_builtin]
         self.target, self.draft = target, draft
         self.extra_files: list[str] = [p for p in (target, draft) if p]
@@ -160,9 +173,9 @@ class ModelsDialog(QDialog):
         layout.addLayout(pick)
         layout.addWidget(self.compat)
         layout.addLayout(row2)
-        downloads.worker.progress.connect(self._progress)
-        downloads.worker.done.connect(self._done)
-        downloads.worker.failed.connect(self._failed)
+        downloads.progress.connect(self._progress)
+        downloads.done.connect(self._done)
+        downloads.failed.connect(self._failed)
         self._refresh_choice()
 
     # --- catalog rows ---
@@ -283,6 +296,7 @@ class ModelsDialog(QDialog):
         wanted = self.draft or (next((p for p, w in verdicts.items() if w is None), ""))
         index = self.draft_combo.findData(wanted)
         self.draft_combo.setCurrentIndex(max(0, index))
+        self.refused = refused
         self.compat.setText("Compatible drafts share the target's tokenizer."
                             + ("\nNot compatible: " + "; ".join(refused) if refused else ""))
 
