@@ -68,6 +68,8 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run llama.cpp's C++ llama-bench and llama-speculative "
                              "(built on first use, minutes)")
     parser.add_argument("--chart", type=Path, help="save a PNG chart of the speedups")
+    parser.add_argument("--markdown", action="store_true",
+                        help="print the results as Markdown tables (for the README)")
 
 
 @dataclasses.dataclass(slots=True)
@@ -116,6 +118,8 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
     if args.json:
         json.dump(report, out, indent=2)
         out.write("\n")
+    elif args.markdown:
+        out.write(format_markdown(report, args.repeats) + "\n")
     else:
         out.write(format_report(report, args.repeats) + "\n")
     if args.chart is not None:
@@ -340,4 +344,30 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
             else:
                 extra = f", acceptance {p['accept']:.0%}" if p.get("accept") is not None else ""
                 lines.append(f"  {name}: {p['tokens_per_second']:.1f} tok/s{extra}")
+    return "\n".join(lines)
+
+
+def format_markdown(report: dict[str, Any], repeats: int) -> str:
+    """The same results as README tables."""
+    host = report["host"]
+    t = report["cost_ms"]["target"]
+    curve = ", ".join(f"{n}: {ms / t['1']:.2f}" for n, ms in t.items() if n != "1")
+    lines = [f"Target `{report['target']}`, draft `{report['draft']}`; {host['cpu']}, "
+             f"{host['threads']} threads; target pass {t['1']:.1f} ms for one token, "
+             f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range).", ""]
+    for cell in report["cells"]:
+        lines += [f"**{cell['sampling']}, {cell['prompts']} prompts**", "",
+                  "| mode | tokens/s | speedup | of ceiling | tau | identical | degenerate |",
+                  "|---|---|---|---|---|---|---|"]
+        for mode, s in cell["modes"].items():
+            lo, hi = s["speedup_range"]
+            share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
+            lines.append(f"| {mode} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x "
+                         f"({lo:.2f}-{hi:.2f}) | {share} | {s['tau']:.2f} | "
+                         f"{s['identical'] or '-'} | {s['degenerate_outputs']} |")
+        lines.append("")
+    for name, p in report.get("peers", {}).items():
+        what = (f"could not run: {p['unavailable']}" if "unavailable" in p
+                else f"{p['tokens_per_second']:.1f} tokens/s")
+        lines.append(f"- {name}: {what}")
     return "\n".join(lines)

@@ -60,3 +60,14 @@ def test_bench_peers_run_llama_cpp_python_on_the_same_target(tiny_models, tmp_pa
     assert report["peers"]["llama-cpp-python plain"]["tokens_per_second"] > 0
     assert report["peers"]["llama-cpp-python prompt lookup (10)"]["tokens_per_second"] > 0
     assert "oracle" not in report["cells"][0]["modes"]
+
+
+def test_bench_markdown_table(tiny_models, tmp_path, capsys) -> None:
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("import os\n")
+    assert main(["bench", "--target", str(tiny_models["q8_0-target"]), "--mode", "ngram",
+                 "--prompts", str(prompts), "-n", "8", "--ctx", "256", "--threads", "1",
+                 "--repeats", "1", "--markdown"]) == 0
+    out = capsys.readouterr().out
+    assert "| mode | tokens/s | speedup |" in out
+    assert "| plain |" in out and "| ngram |" in out and "| oracle |" in out
