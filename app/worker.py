@@ -30,6 +30,7 @@ from PySide6.QtCore import QObject, QThread, Signal, Slot
 from app.prompting import FORMATS, Prompt, build_prompt, find_stop
 from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
+from speculative.backend import system_info
 from speculative.engine import Engine, Mode
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import ModelPair, open_pair
@@ -308,7 +309,7 @@ class EngineWorker(QObject):
             n_ctx=pair.target_ctx.n_ctx, threads=threads, has_ngram=ngram is not None,
             plain_seconds_per_token=plain,
             verify_ms={n: t * 1000 for n, t in zip(cost.sizes, cost.seconds, strict=True)}
-            if cost else {}, load_seconds=time.perf_counter() - t0)
+            if cost else {}, load_seconds=time.perf_counter() - t0, system=system_info())
         self.loaded.emit(self._info)
         self.status.emit("Ready")
 

@@ -107,6 +107,8 @@ class MainWindow(QMainWindow):
         self._frame.setInterval(FRAME_MS)
         self._frame.timeout.connect(self._draw)
         self._frame.start()
+        # "system" theme: follow the desktop when it switches between light and dark
+        QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
         self._restore_geometry()
         self._reload_list()
         if history.recovered_from is not None:
@@ -614,6 +616,12 @@ class MainWindow(QMainWindow):
             self.info = None
             self.model_label.setText(" models: loading… ")
             self.controller.load(self.settings)
+
+    def _scheme_changed(self, _scheme: object) -> None:
+        if self.settings.theme == "system":
+            apply_theme(QApplication.instance(), "system")
+            self.stats.apply_palette()
+            self.chat.set_show_origins(self.chat.show_origins)  # redraw with the new palette
 
     def _mode_picked(self) -> None:
         mode = self.mode_combo.currentData()

@@ -170,3 +170,17 @@ def test_a_corrupt_model_file_shows_an_error_and_the_app_keeps_working(
                                                   mode="staged"))
     _reply(qtbot, window, PROMPT)
     assert _last_reply(window).role == "assistant"
+
+
+def test_about_box_names_the_versions_and_the_theme_follows_a_switch(qtbot, window) -> None:
+    from app.ui.main_window import about_text
+
+    text = about_text(window.info)
+    assert "Staged Chat" in text and "PySide6" in text and "llama-cpp-python" in text
+    assert window.info is not None and window.info.system and "llama.cpp:" in text
+    dark = dataclasses.replace(window.settings, theme="dark")
+    window.apply_settings(dark)
+    base = window.palette().color(window.palette().ColorRole.Base)
+    assert base.lightness() < 80
+    window.apply_settings(dataclasses.replace(dark, theme="light"))
+    assert window.palette().color(window.palette().ColorRole.Base).lightness() > 200
