@@ -178,9 +178,14 @@ def test_about_box_names_the_versions_and_the_theme_follows_a_switch(qtbot, wind
     text = about_text(window.info)
     assert "Staged Chat" in text and "PySide6" in text and "llama-cpp-python" in text
     assert window.info is not None and window.info.system and "llama.cpp:" in text
+    from PySide6.QtGui import QPalette
+
+    def base_lightness() -> int:
+        qtbot.wait(20)  # palette changes reach the widgets as events
+        return window.chat.palette().color(QPalette.ColorRole.Base).lightness()
+
     dark = dataclasses.replace(window.settings, theme="dark")
     window.apply_settings(dark)
-    base = window.palette().color(window.palette().ColorRole.Base)
-    assert base.lightness() < 80
+    assert base_lightness() < 80
     window.apply_settings(dataclasses.replace(dark, theme="light"))
-    assert window.palette().color(window.palette().ColorRole.Base).lightness() > 200
+    assert base_lightness() > 200
