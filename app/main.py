@@ -14,9 +14,10 @@ import ctypes
 import dataclasses
 import logging
 import sys
+from collections.abc import Callable
 from pathlib import Path
 
-from PySide6.QtCore import QObject, QTimer
+from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QApplication, QWidget
 
 from app.history import History, HistoryError, default_path
@@ -27,33 +28,48 @@ from app.ui.theme import apply_theme
 log = logging.getLogger(__name__)
 
 
-def keep_none_alive() -> bool:
-    """Give ``None`` references to spare if this PySide6 drops one per call; True if it does.
+class _Probe(QObject):
+    flag = Signal(bool)
+
+
+def keep_singletons_alive() -> list[str]:
+    """Give None, True and False references to spare where this PySide6 drops them; the names
+    of those it does.
 
     PySide6 6.12.0 on Python 3.11 steals a reference to ``None`` on every call of a Qt method
-    that returns void (``label.setText(...)`` lowers ``sys.getrefcount(None)`` by one). After a
-    few tens of thousands of such calls, minutes of streaming, the interpreter "deallocates"
-    None and aborts (Fatal Python error: none_dealloc). From Python 3.12 on None is immortal and
-    the stray decrefs are harmless; before it, a huge reference count has the same effect.
+    that returns void (``label.setText(...)`` lowers ``sys.getrefcount(None)`` by one), and one
+    to ``True`` or ``False`` on every emission of a ``Signal(bool)``. After some thousands of
+    calls, minutes of streaming, the interpreter "deallocates" the singleton and aborts (Fatal
+    Python error: none_dealloc, bool_dealloc). From Python 3.12 on they are immortal and the
+    stray decrefs are harmless; before it, a huge reference count has the same effect.
     Measured rather than keyed to versions, so a fixed PySide6 is left alone."""
     if sys.version_info >= (3, 12):
-        return False
-    if sys.getrefcount(None) > 1 << 39:  # given already
-        return True
-    probe = QObject()
-    before = sys.getrefcount(None)
+        return []
+    probe = _Probe()
+    leaks = ((None, lambda: probe.setObjectName("probe")),
+             (True, lambda: probe.flag.emit(True)), (False, lambda: probe.flag.emit(False)))
+    given = []
+    for singleton, call in leaks:
+        if sys.getrefcount(singleton) > 1 << 39:  # given by an earlier call
+            given.append(repr(singleton))
+        elif _drops(singleton, call):
+            # ob_refcnt is the first field of every object in CPython's release builds
+            ctypes.c_ssize_t.from_address(id(singleton)).value += 1 << 40
+            log.info("this PySide6 drops references to %s: gave it 2**40", singleton)
+            given.append(repr(singleton))
+    return given
+
+
+def _drops(singleton: object, call: Callable[[], object]) -> bool:
+    """Whether ``call`` lowers the singleton's reference count (64 calls, most of 64 lost)."""
+    before = sys.getrefcount(singleton)
     for _ in range(64):
-        probe.setObjectName("probe")
-    if sys.getrefcount(None) > before - 32:
-        return False
-    # ob_refcnt is the first field of every object in CPython's release builds
-    ctypes.c_ssize_t.from_address(id(None)).value += 1 << 40
-    log.info("this PySide6 drops references to None: gave it 2**40 to spare")
-    return True
+        call()
+    return sys.getrefcount(singleton) <= before - 32
 
 
 def create_app() -> QApplication:
-    keep_none_alive()
+    keep_singletons_alive()
     app = QApplication.instance()
     if app is None:
         app = QApplication(sys.argv[:1])

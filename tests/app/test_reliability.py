@@ -483,25 +483,32 @@ def _utf8(piece: bytes) -> bool:
 
 # ---------------------------------------------------------------- long sessions
 
-_VOID_CALLS = """
+_LEAKY_CALLS = """
 import sys
+from PySide6.QtCore import QObject, Signal
 from PySide6.QtWidgets import QLabel
 from app.main import create_app
 
-calls = sys.getrefcount(None) + 20_000  # more than None has, if each call took one
+class Flag(QObject):
+    changed = Signal(bool)
+
+calls = max(sys.getrefcount(x) for x in (None, True, False)) + 20_000
 app = create_app()
-label = QLabel()
-for _ in range(calls):
+label, flag = QLabel(), Flag()
+for _ in range(calls):  # each one took a reference to None, True or False
     label.setText("x")
+    flag.changed.emit(True)
+    flag.changed.emit(False)
 print("alive")
 """
 
 
-def test_void_qt_calls_never_deallocate_none() -> None:
-    """PySide6 6.12.0 on Python 3.11 drops a reference to None per void method call: without
-    ``keep_none_alive`` a long session aborts with "none_dealloc" (in a child process here)."""
+def test_void_calls_and_bool_signals_never_deallocate_singletons() -> None:
+    """PySide6 6.12.0 on Python 3.11 drops a reference to None per void method call and to
+    True/False per ``Signal(bool)`` emission: without ``keep_singletons_alive`` a long session
+    aborts ("none_dealloc", "bool_dealloc"); in a child process here."""
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
-    done = subprocess.run([sys.executable, "-c", _VOID_CALLS], cwd=ROOT, env=env,
+    done = subprocess.run([sys.executable, "-c", _LEAKY_CALLS], cwd=ROOT, env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "alive"
