@@ -26,6 +26,7 @@ from app import worker as worker_module
 from app.history import FINISH_REASONS, History, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
+from app.soak import run_soak
 from app.ui.main_window import MainWindow
 from app.worker import StepEvent
 from models.catalog import builtin_pair
@@ -512,3 +513,15 @@ def test_void_calls_and_bool_signals_never_deallocate_singletons() -> None:
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr[-2000:]
     assert done.stdout.strip() == "alive"
+
+
+def test_a_short_soak_stays_identical_to_plain_and_frees_its_contexts(qtbot: Any) -> None:
+    """``python -m app.soak`` in brief: 600 tokens, modes toggled, the models switched."""
+    report = run_soak(600, ["plain", "tree", "staged", "ngram"], switch_every=3, max_tokens=40)
+    assert report.tokens >= 600 and report.mode_toggles >= 3 and report.switches >= 1
+    assert report.compared > 0 and report.identical == report.compared, report.mismatches
+    # after each load: two contexts with the pair, one with the target alone; none once closed
+    alive = [(a, e) for _, a, e in report.contexts]
+    assert len(alive) == report.switches + 1 and [e for _, e in alive][:2] == [2, 1]
+    assert all(a == e for a, e in alive) and report.contexts_after_close == 0
+    assert report.rss_end_kib - report.rss_warm_kib < 150 * 1024  # generous: a short run
