@@ -27,7 +27,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.prompting import FORMATS, Prompt, build_prompt, find_stop
+from app.prompting import FORMATS, Prompt, build_prompt, find_stop, held_back
 from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import system_info
@@ -167,6 +167,7 @@ class EngineWorker(QObject):
         self._engine: Engine | None = None
         self._settings: AppSettings | None = None
         self._info: ModelInfo | None = None
+        self._seed = 0  # the running reply's seed (a mid-reply sampling change keeps it)
 
     # --- called from the GUI thread directly (thread-safe) ---
     def cancel(self, upto: int = sys.maxsize) -> None:
@@ -285,7 +286,7 @@ class EngineWorker(QObject):
         t0 = time.perf_counter()
         self.status.emit("Loading models…")
         self._close()
-        builtin = not settings.target_path
+        builtin = _is_builtin(settings.target_path)
         target, draft = _paths(settings)
         threads = settings.threads or app_threads()
         pair = open_pair(target, draft, settings.context(threads),
@@ -332,18 +333,23 @@ class EngineWorker(QObject):
         assert self._pair is not None
         stop = {self._pair.target.vocab.eos}
         params = request.settings.sampling(request.seed)
+        self._seed, engine.sampling = request.seed, None
         steps = engine.generate(prompt.tokens, request.settings.max_tokens, params, stop=stop,
                                 cancel=lambda: self._stopped(request.request_id), run=run)
-        with contextlib.closing(steps):
-            for step in steps:
-                yield step.tokens, step.origins, step.stats, step.finish
-                self._apply_live(engine)
+        try:
+            with contextlib.closing(steps):
+                for step in steps:
+                    yield step.tokens, step.origins, step.stats, step.finish
+                    self._apply_live(engine)
+        finally:
+            engine.sampling = None  # mid-reply changes are in the settings of the next one
 
     def _apply_live(self, engine: Engine) -> None:
         with self._lock:
             live, self._live = self._live, None
         if live is None or self._settings is None:
             return
+        engine.sampling = live.sampling(self._seed)  # temperature, top-k, top-p: next step
         spec = live.spec()
         try:
             engine.check(spec)
@@ -353,45 +359,39 @@ class EngineWorker(QObject):
         engine.config = spec
 
     def _reply(self, engine: Engine, request: ChatRequest, prompt: Prompt) -> ReplyDone:
+        """Stream the reply: text is shown once it cannot be the start of a stop string (a
+        "\ndef " may arrive over several tokens), and the reply ends before the stop."""
         assert self._pair is not None
         vocab = self._pair.target.vocab
         stops = FORMATS[request.format].stops
         decoder = codecs.getincrementaldecoder("utf-8")("replace")
         run = RunStats()
-        text, tokens, origins = "", [], []
-        shown: list[tuple[str, str]] = []
+        decoded: list[tuple[str, str, int]] = []  # (text, origin, token) of every token
+        text, shown_to = "", 0  # the whole decoded text; how much of it the window has
         finish = "length"
         for step_tokens, step_origins, stats, step_finish in self._steps(engine, request,
                                                                          prompt, run):
-            pieces = []
-            stopped_inside = False
             for tok, origin in zip(step_tokens, step_origins, strict=True):
-                piece = decoder.decode(vocab.piece(tok))
-                cut = find_stop(text + piece, stops)
-                if cut is not None:  # the reply ends inside this token
-                    pieces.append((piece[:max(0, cut - len(text))], origin))
-                    text = text + piece[:max(0, cut - len(text))]
-                    step_finish, stopped_inside = "stop", True
-                    break
-                pieces.append((piece, origin))
-                text += piece
-                tokens.append(tok)
-                origins.append(origin)
-            if step_finish is not None and not stopped_inside:
-                # a character whose bytes the reply ended in the middle of: U+FFFD, in this
-                # step's pieces (what the chat view draws) as in the text (what is stored)
+                decoded.append((decoder.decode(vocab.piece(tok)), origin, tok))
+            if step_finish is not None:  # a character cut by the end of the reply: U+FFFD
                 tail = decoder.decode(b"", final=True)
                 if tail:
-                    pieces.append((tail, origins[-1] if origins else "target"))
-                    text += tail
-            shown += pieces
-            self.step.emit(StepEvent(request.request_id, pieces, step_tokens[:len(pieces)],
-                                     stats))
+                    decoded.append((tail, decoded[-1][1] if decoded else "target", -1))
+            text = "".join(t for t, _, _ in decoded)
+            stop_at = find_stop(text, stops)
+            if stop_at is not None:
+                text, step_finish = text[:stop_at], "stop"
+            end = len(text) if step_finish is not None else len(text) - held_back(text, stops)
+            pieces = _slice(decoded, shown_to, max(end, shown_to))
+            shown_to = max(end, shown_to)
+            self.step.emit(StepEvent(request.request_id, pieces, step_tokens, stats))
             if step_finish is not None:
                 finish = step_finish
                 break
-        return ReplyDone(request.request_id, text, tokens, origins, finish, run,
-                         engine.config.mode.value, shown)
+        kept = _tokens_within(decoded, len(text))
+        return ReplyDone(request.request_id, text, [t for _, _, t in kept],
+                         [o for _, o, _ in kept], finish, run, engine.config.mode.value,
+                         _slice(decoded, 0, len(text)))
 
     def _race_run(self, engine: Engine, request: ChatRequest, prompt: Prompt,
                   mode: str) -> RaceRun:
@@ -414,6 +414,31 @@ class EngineWorker(QObject):
         return RaceRun(mode, text, tokens, timeline, run)
 
 
+def _slice(decoded: list[tuple[str, str, int]], start: int, end: int) -> list[tuple[str, str]]:
+    """The (text, origin) pieces covering characters [start, end) of the decoded tokens."""
+    out, at = [], 0
+    for text, origin, _ in decoded:
+        lo, hi = max(start, at), min(end, at + len(text))
+        if lo < hi:
+            out.append((text[lo - at:hi - at], origin))
+        at += len(text)
+    return out
+
+
+def _tokens_within(decoded: list[tuple[str, str, int]], length: int,
+                   ) -> list[tuple[str, str, int]]:
+    """The tokens whose text lies within the first ``length`` characters (the stored reply's
+    tokens: one cut by a stop string is not among them)."""
+    out, at = [], 0
+    for item in decoded:
+        at += len(item[0])
+        if at > length:
+            break
+        if item[2] >= 0:
+            out.append(item)
+    return out
+
+
 def _paths(settings: AppSettings) -> tuple[Path, Path | None]:
     if settings.target_path:
         target = Path(settings.target_path)
@@ -424,6 +449,16 @@ def _paths(settings: AppSettings) -> tuple[Path, Path | None]:
         return target, draft
     target, draft = builtin_pair()
     return target, Path(settings.draft_path) if settings.draft_path else draft
+
+
+def _is_builtin(target: str) -> bool:
+    """The built-in code target, chosen by default or by its file."""
+    if not target:
+        return True
+    try:
+        return Path(target).resolve() == builtin_pair()[0].resolve()
+    except OSError:
+        return False
 
 
 def _target_path(target: str) -> Path:

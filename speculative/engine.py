@@ -109,6 +109,9 @@ class Engine:
         self._ngram_fed: list[int] = []
         self.config = config if config is not None else SpecConfig()
         self.oracle: OracleDrafter | None = None  # Mode.ORACLE's drafter (benchmarks)
+        # when set, steps sample with these instead of generate()'s (changed mid-reply; each
+        # step is exact for the parameters it ran with)
+        self.sampling: SamplingParams | None = None
         self.planner: Planner | None = None       # Mode.AUTO's, made once costs are measured
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
         self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
@@ -159,7 +162,8 @@ class Engine:
                 return
             config = self.config  # read once per step: settings may change between steps
             self.check(config)
-            tokens, origins, stats = self._step(committed, config, params, rng)
+            step_params = self.sampling or params
+            tokens, origins, stats = self._step(committed, config, step_params, rng)
             tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
             origins = origins[:len(tokens)]
             counts = {o: origins.count(o) for o in ORIGINS}

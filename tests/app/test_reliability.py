@@ -259,9 +259,19 @@ def test_settings_changed_mid_reply_apply_from_the_next_step(
     assert reply.tokens == plain.tokens  # greedy: switching modes mid-reply is lossless
 
 
-def test_temperature_changed_mid_reply_applies_to_the_next_reply(
+def test_sampling_changed_mid_reply_applies_from_the_next_step(
         qtbot: Any, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     window = _open(qtbot, data_dir, max_tokens=120)
+    engine = window.controller.worker._engine
+    assert engine is not None
+    used: list[Any] = []
+    real_step = engine._step
+
+    def step(committed: Any, config: Any, params: Any, rng: Any) -> Any:  # engine thread
+        used.append(params)
+        return real_step(committed, config, params, rng)
+
+    monkeypatch.setattr(engine, "_step", step)
     sent: list[Any] = []
     real = window.controller.generate
     monkeypatch.setattr(window.controller, "generate", lambda r: (sent.append(r), real(r)))
@@ -272,6 +282,12 @@ def test_temperature_changed_mid_reply_applies_to_the_next_reply(
                                                   top_k=20, mode="ngram"))
         gate.open()
     assert _messages(window)[-1].finish in ("stop", "length", "context")
+    assert [p.temperature for p in used[:2]] == [0.0, 0.0]
+    # the engine was held between steps 2 and 3, where the change arrived: it applies at the
+    # next step boundary the worker passes (3 or 4) and stays
+    first = next(i for i, p in enumerate(used) if p.temperature == 0.9)
+    assert first <= 3 and all(p.temperature == 0.9 and p.top_k == 20 for p in used[first:])
+    assert len({p.seed for p in used}) == 1  # the reply's own random stream goes on
     _send(qtbot, window, "x = 1\n")
     assert sent[-1].settings.temperature == 0.9 and sent[-1].settings.top_k == 20
     assert _messages(window)[-1].mode == "ngram"
@@ -527,3 +543,27 @@ def test_a_short_soak_stays_identical_to_plain_and_frees_its_contexts(qtbot: Any
     assert len(alive) == report.switches + 1 and [e for _, e in alive][:2] == [2, 1]
     assert all(a == e for a, e in alive) and report.contexts_after_close == 0
     assert report.rss_peak_kib - report.rss_warm_kib < 150 * 1024  # generous: a short run
+
+
+def test_a_stop_string_split_over_tokens_is_never_shown_nor_stored(
+        qtbot: Any, data_dir: Path) -> None:
+    """In code completion a reply ends where "\\ndef " starts a new function. The model writes
+    it as several tokens, one per step here: the window must not show "\\nde" and then take
+    it back, and the stored reply must end before the stop."""
+    window = _open(qtbot, data_dir, mode="plain")
+    pair, engine = window.controller.worker._pair, window.controller.worker._engine
+    assert pair is not None and engine is not None
+    vocab = pair.target.vocab
+    body = vocab.tokenize("    return 1\n")
+    tokens = [*body, *vocab.tokenize("\ndef"), *vocab.tokenize(" g():\n")]
+    engine.generate = _steps_of(tokens, 1)  # type: ignore[method-assign]
+    steps: list[StepEvent] = []
+    window.step_shown.connect(steps.append)
+    _send(qtbot, window, "def f():")
+    reply = _messages(window)[-1]
+    assert reply.text == "    return 1\n" and reply.finish == "stop"
+    assert reply.tokens == body
+    shown = "".join(t for ev in steps for t, _ in ev.pieces)
+    assert shown == reply.text  # nothing of "\ndef" ever reached the window
+    assert window.chat.last_reply_text() == reply.text
+    window.close()

@@ -189,3 +189,13 @@ def test_about_box_names_the_versions_and_the_theme_follows_a_switch(qtbot, wind
     assert base_lightness() < 80
     window.apply_settings(dataclasses.replace(dark, theme="light"))
     assert base_lightness() > 200
+
+
+def test_the_built_in_target_chosen_by_its_file_still_completes_code(qtbot, data_dir) -> None:
+    from models.catalog import builtin_pair
+
+    target, draft = builtin_pair()
+    window = _open(qtbot, data_dir, target_path=str(target), draft_path=str(draft))
+    assert window.info is not None and window.info.builtin
+    assert window._format() == "code"
+    window.close()
