@@ -746,7 +746,7 @@ def about_text(info: ModelInfo | None) -> str:
     import importlib.metadata as md
 
     import numpy
-    import PySide6
+    from PySide6 import QtCore
 
     def version(dist: str) -> str:
         try:
@@ -758,8 +758,8 @@ def about_text(info: ModelInfo | None) -> str:
         "<h3>Staged Chat " + version("staged-chat") + "</h3>",
         "<p>Local chat with lossless staged tree speculative decoding (Spector &amp; Ré, 2023) "
         "on llama.cpp.</p>",
-        f"<p>Python {platform.python_version()} · PySide6 {PySide6.__version__} "
-        f"(Qt {PySide6.QtCore.qVersion()}) · llama-cpp-python {version('llama-cpp-python')} · "
+        f"<p>Python {platform.python_version()} · PySide6 {version('PySide6')} "
+        f"(Qt {QtCore.qVersion()}) · llama-cpp-python {version('llama-cpp-python')} · "
         f"numpy {numpy.__version__}</p>",
     ]
     if info is not None:
