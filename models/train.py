@@ -517,19 +517,28 @@ def model_config(which: str, cfg: TrainConfig) -> Gpt2Config:
 def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig) -> Path:
     """A running training's current weights as Q8_0 GGUF (to read what it writes so far)."""
     state = torch.load(checkpoint, weights_only=False)
-    corpus = load_corpus()
-    model = build(model_config(which, cfg), cfg.seed,
-                  seen=frequent_tokens(corpus.train, cfg.min_count))
+    model = build(Gpt2Config(**state["model_config"]), cfg.seed, seen=rows_of(state))
     model.load_state_dict(state["model"])
     log.info("%s at step %d", checkpoint, state["step"])
     return export(model, out, "q8_0", name=f"staged-chat-{which}-step{state['step']}")
 
 
-def load_teacher(path: Path, seen: np.ndarray) -> Gpt2:
-    """A trained target from its GGUF-sibling checkpoint (``.pt``: see ``run``)."""
+def rows_of(state: dict) -> np.ndarray:
+    """The token ids with rows of their own in a checkpoint's compact table (``Gpt2``): read
+    from the checkpoint, not recomputed from the corpus, which changes with the installed
+    packages (the corpus includes their source)."""
+    row_of = state["model"]["row_of"].numpy()
+    n_rows = state["model"]["token_embd.weight"].shape[0]
+    if n_rows == len(row_of):  # every token seen: no shared row
+        return np.arange(len(row_of))
+    return np.flatnonzero(row_of < n_rows - 1)
+
+
+def load_teacher(path: Path) -> Gpt2:
+    """A trained model from a checkpoint (``run``'s or a resumable one) to distil from."""
     state = torch.load(path, weights_only=False)
     cfg = Gpt2Config(**state["model_config"])
-    teacher = build(cfg, 0, seen)
+    teacher = build(cfg, 0, rows_of(state))
     teacher.load_state_dict(state["model"])
     return teacher.eval()
 
@@ -541,16 +550,18 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
     metrics beside it. Resumes from the run's checkpoint if one is there."""
     torch.set_num_threads(cfg.threads or len(os.sched_getaffinity(0)))
     corpus = load_corpus()
-    seen = frequent_tokens(corpus.train, cfg.min_count)
+    init_state = torch.load(init, weights_only=False) if init is not None else None
+    # continuing another run: its rows (the corpus may have changed since: see rows_of)
+    seen = (rows_of(init_state) if init_state is not None
+            else frequent_tokens(corpus.train, cfg.min_count))
     model = build(model_config(which, cfg), cfg.seed, seen=seen, pos_init=cfg.pos_init)
     counts = param_counts(model)
     log.info("%s: %s parameters; corpus %d train / %d valid tokens", which, counts,
              len(corpus.train), len(corpus.valid))
-    if init is not None:  # continue from another run's weights (fresh optimizer and schedule)
-        state = torch.load(init, weights_only=False)
-        model.load_state_dict(state["model"])
-        log.info("weights from %s (step %s)", init, state.get("step"))
-    teacher = load_teacher(teacher_path, seen) if teacher_path is not None else None
+    if init_state is not None:  # another run's weights (fresh optimizer and schedule)
+        model.load_state_dict(init_state["model"])
+        log.info("weights from %s (step %s)", init, init_state.get("step"))
+    teacher = load_teacher(teacher_path) if teacher_path is not None else None
     stats = train(model, corpus.train, cfg, valid=corpus.valid, progress=progress,
                   checkpoint=checkpoint or default_checkpoint(which, cfg), teacher=teacher)
     ckpt = Path(tempfile.gettempdir()) / f"staged-chat-{which}-seed{cfg.seed}.pt"

@@ -192,3 +192,13 @@ def test_short_windows_first_then_full_ones_and_resume_across_the_switch(tokens:
     train(resumed, tokens, cfg, progress=False, checkpoint=ckpt)
     a, b = whole.state_dict(), resumed.state_dict()
     assert all(torch.equal(a[k], b[k]) for k in a)
+
+
+def test_rows_come_from_the_checkpoint_not_from_the_corpus(tokens: np.ndarray,
+                                                          tmp_path: Path) -> None:
+    from models.train import rows_of
+
+    for seen in (tokens, np.arange(TINY.n_vocab)):  # with a shared row, and without one
+        model = build(TINY, 0, seen=seen)
+        state = {"model": model.state_dict()}
+        assert np.array_equal(rows_of(state), np.unique(seen))
