@@ -10,8 +10,6 @@ from __future__ import annotations
 
 import dataclasses
 import logging
-import platform
-import random
 from pathlib import Path
 from typing import Any
 
@@ -35,51 +33,36 @@ from app.history import (
     Conversation,
     History,
     HistoryError,
-    Message,
     to_json,
     to_markdown,
     write_text_atomic,
 )
 from app.prompting import FORMATS, format_for
 from app.settings import MODE_LABELS, AppSettings, SettingsStore
-from app.ui.chat_view import ChatView, ShownMessage, origin_runs, runs_of
+from app.ui.about import about_text
+from app.ui.chat_view import ChatView
 from app.ui.conversations import ConversationListModel, ConversationPanel
 from app.ui.models_dialog import Downloads, ModelsDialog
 from app.ui.race import RaceWindow
+from app.ui.replies import run_of, shown
+from app.ui.reply_flow import Pending, ReplyFlow
 from app.ui.settings_dialog import SettingsDialog
 from app.ui.stats_panel import StatsPanel
 from app.ui.theme import apply_theme
 from app.ui.widgets import Banner, PromptEdit
 from app.worker import (
-    ChatRequest,
     EngineController,
     ModelInfo,
-    RaceResult,
-    ReplyDone,
-    ReplyStarted,
-    StepEvent,
 )
 from models.catalog import Catalog
-from speculative.stats import RunStats, StepStats
+from speculative.stats import RunStats
 
 log = logging.getLogger(__name__)
 
 FRAME_MS = 33  # redraw pace while streaming
 
 
-@dataclasses.dataclass(slots=True)
-class _Pending:
-    """The request the engine is working on."""
-
-    request_id: int
-    conversation_id: int
-    kind: str                        # "reply", "continue" or "race"
-    continued: Message | None = None  # the reply being continued
-    runs: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # not drawn yet
-    dropped: int = 0
-
-
-class MainWindow(QMainWindow):
+class MainWindow(ReplyFlow, QMainWindow):
     reply_finished = Signal(int)   # request id: a reply was stored (or failed)
     models_loaded = Signal()
     load_failed = Signal(str)
@@ -96,7 +79,7 @@ class MainWindow(QMainWindow):
         self.downloads = Downloads(self)
         self.info: ModelInfo | None = None
         self.conversation: Conversation | None = None
-        self.pending: _Pending | None = None
+        self.pending: Pending | None = None
         self.race_window: RaceWindow | None = None
         self.settings_dialog: SettingsDialog | None = None
         self.models_dialog: ModelsDialog | None = None
@@ -300,12 +283,12 @@ class MainWindow(QMainWindow):
             self.banner.show_message(f"Could not open that chat: {exc}")
             return
         fmt = FORMATS.get(self.conversation.prompt_format, FORMATS[self._format()])
-        self.chat.show_messages([_shown(m) for m in messages], fmt.monospace)
+        self.chat.show_messages([shown(m) for m in messages], fmt.monospace)
         self._sync_format_widgets()
         self.conversations.select(conversation_id)
         self.stats.new_conversation(sum(len(m.tokens) for m in messages))
         last = next((m for m in reversed(messages) if m.role == "assistant"), None)
-        self.stats.show_run(_run_of(last) if last else RunStats())
+        self.stats.show_run(run_of(last) if last else RunStats())
         self._set_idle(self.pending is None)
 
     def delete_conversation(self, conversation_id: int) -> None:
@@ -372,227 +355,6 @@ class MainWindow(QMainWindow):
             "Message the model — Enter sends, Shift+Enter adds a line")
 
     # ------------------------------------------------------------------ requests
-    def _send_or_stop(self) -> None:
-        if self.pending is not None:
-            self.stop()
-        else:
-            self.send()
-
-    def send_text(self, text: str) -> int | None:
-        """Send ``text`` as the user (what pressing Enter does); returns the request id."""
-        self.input.setPlainText(text)
-        return self.send()
-
-    def send(self) -> int | None:
-        if self.pending is not None:
-            return None
-        # the raw text: toPlainText() turns no-break spaces into spaces, changing what was typed
-        # (a string literal, say); blocks are joined by U+2029 in it, lines by "\n" in ours
-        text = self.input.document().toRawText().replace("\u2029", "\n")
-        if not text.strip():
-            return None
-        fmt = FORMATS[self._format()]
-        if fmt.name == "code" and not text.endswith("\n"):
-            text += "\n"  # Enter ends the line: the model writes the next one
-        try:
-            conv = self._ensure_conversation(text)
-            message = self.history.add_message(conv.id, "user", text)
-        except HistoryError as exc:
-            self.banner.show_message(f"Could not save the message: {exc}")
-            return None
-        self.input.clear()
-        self.chat.add_message(_shown(message))
-        return self._request("reply")
-
-    def regenerate(self) -> None:
-        if self.pending is not None or self.conversation is None:
-            return
-        messages = self.history.messages(self.conversation.id)
-        if not messages or messages[-1].role != "assistant":
-            return
-        self.history.delete_message(messages[-1].id)
-        self.chat.drop_last()
-        self._request("reply")
-
-    def continue_reply(self) -> None:
-        if self.pending is not None or self.conversation is None:
-            return
-        messages = self.history.messages(self.conversation.id)
-        if not messages or messages[-1].role != "assistant":
-            return
-        self._request("continue", continued=messages[-1])
-
-    def _request(self, kind: str, continued: Message | None = None) -> int | None:
-        assert self.conversation is not None
-        messages = self.history.messages(self.conversation.id)
-        if kind == "race":
-            while messages and messages[-1].role != "user":
-                messages.pop()
-        if not messages:
-            return None
-        seed = self.settings.seed if self.settings.seed >= 0 else random.randrange(2**31)
-        request = ChatRequest(self.controller.new_id(),
-                              tuple((m.role, m.text) for m in messages), self._format(),
-                              self.settings, seed, continuing=kind == "continue")
-        self.pending = _Pending(request.request_id, self.conversation.id, kind, continued)
-        self._set_idle(False)
-        if kind == "race":
-            self.race_window = RaceWindow(FORMATS[self._format()].monospace, self)
-            self.race_window.show()
-            self.controller.race(request)
-        else:
-            self.chat.begin_reply(continuing=kind == "continue")
-            self.stats.begin_reply(self.settings.mode)
-            self.controller.generate(request)
-        return request.request_id
-
-    def stop(self) -> None:
-        self.controller.stop()
-
-    def race(self) -> None:
-        if self.pending is None and self.conversation is not None:
-            self._request("race")
-
-    def copy_last(self) -> None:
-        text = self.chat.last_reply_text()
-        if text:
-            QGuiApplication.clipboard().setText(text)
-            self.status.setText("Copied the last reply")
-
-    # ------------------------------------------------------------------ worker signals
-    def _status(self, text: str) -> None:
-        self.status.setText(text)
-
-    def _loaded(self, info: ModelInfo) -> None:
-        self.info = info
-        draft = info.draft or "none"
-        self.model_label.setText(f" target: {info.target} · draft: {draft} · "
-                                 f"{info.n_ctx}-token window · {info.threads} "
-                                 f"thread{'s' if info.threads != 1 else ''} ")
-        one = info.verify_ms.get(1)
-        note = (f"Speedup is estimated against plain decoding of the same target, timed on "
-                f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
-                f"tokens/s" + (f"; one target pass {one:.1f} ms" if one else "") + "). "
-                "Race measures it side by side.")
-        self.stats.set_plain_speed(info.plain_seconds_per_token, note)
-        if self.conversation is None:
-            self._sync_format_widgets()
-        if self.banner.kind == "error" and "load" in self.banner.text().lower():
-            self.banner.hide()
-        self.models_loaded.emit()
-
-    def _load_failed(self, reason: str) -> None:
-        self.banner.show_message(f"Could not load the models: {reason}")
-        if self.info is None:
-            self.model_label.setText(" no model loaded ")
-        self.load_failed.emit(reason)
-
-    def _started(self, ev: ReplyStarted) -> None:
-        if self.pending is None or ev.request_id != self.pending.request_id:
-            return
-        self.pending.dropped = ev.dropped
-        if ev.dropped:
-            self.banner.show_message(
-                f"This chat is longer than the model's {self.info.n_ctx if self.info else ''}"
-                f"-token window: the oldest {ev.dropped} message(s) were left out of the "
-                "prompt.", "warning")
-        if self.pending.kind != "race":
-            self.stats.begin_reply(ev.mode)
-
-    def _step(self, ev: StepEvent) -> None:
-        if self.pending is None or ev.request_id != self.pending.request_id:
-            return
-        self.pending.runs += ev.pieces
-        self.stats.add_step(ev.stats)
-        self.step_shown.emit(ev)
-
-    def _draw(self) -> None:
-        if self.pending is not None and self.pending.runs:
-            self.chat.append_runs(self.pending.runs)
-            self.pending.runs = []
-        self.stats.refresh()
-
-    def _finished(self, done: ReplyDone) -> None:
-        pending = self.pending
-        if pending is None or done.request_id != pending.request_id:
-            return
-        self._draw()
-        self.pending = None
-        if pending.kind == "continue" and pending.continued is not None:
-            old = pending.continued
-            text = old.text + done.text
-            runs = runs_of(old.text, old.stats.get("origin_runs", [])) + _runs(done)
-            tokens, origins = old.tokens + done.tokens, old.origins + done.origins
-            run = RunStats(mode=done.mode, steps=_run_of(old).steps + done.run.steps)
-        else:
-            text, runs, tokens, origins, run = (done.text, _runs(done), done.tokens,
-                                                done.origins, done.run)
-        stats = {**run.summary(), "origin_runs": origin_runs(runs), "format": self._format()}
-        if self.info is not None and run.steps:
-            stats["estimated_speedup"] = run.estimated_speedup(self.info.plain_seconds_per_token)
-        try:
-            message = self.history.add_message(pending.conversation_id, "assistant", text,
-                                               tokens=tokens, origins=origins,
-                                               finish=done.finish, stats=stats, mode=done.mode)
-            if pending.continued is not None:
-                self.history.delete_message(pending.continued.id)
-        except (HistoryError, ValueError) as exc:
-            self.banner.show_message(f"Could not save the reply: {exc}")
-            message = None
-        if self.conversation is not None and self.conversation.id == pending.conversation_id:
-            self.chat.end_reply(footer(stats, done.mode, done.finish))
-            if message is not None:
-                self.chat.messages[-1].created = message.created
-        if done.finish == "context":
-            self.banner.show_message("The reply reached the end of the context window. The "
-                                     "next message will leave out the oldest turns.", "warning")
-        self._reload_list()
-        self._set_idle(True)
-        self.reply_finished.emit(done.request_id)
-
-    def _failed(self, request_id: int, reason: str) -> None:
-        pending = self.pending
-        if pending is None or request_id != pending.request_id:
-            return
-        self.pending = None
-        if pending.kind == "race":
-            if self.race_window is not None:
-                self.race_window.failed(reason)
-        else:
-            self._draw()
-            shown = self.chat.messages[-1] if self.chat.messages else None
-            partial = "".join(t for t, _ in shown.runs) if shown and shown.role == "assistant" \
-                else ""
-            if partial and pending.kind == "reply":  # keep what was written before the failure
-                self.history.add_message(pending.conversation_id, "assistant", partial,
-                                         finish="error", stats={"error": reason})
-                self.chat.end_reply(f"stopped by an error: {reason}")
-            elif pending.kind == "reply":
-                self.chat.drop_last()
-            else:
-                self.chat.end_reply("")
-        self.banner.show_message(reason)
-        self._set_idle(True)
-        self.reply_finished.emit(request_id)
-
-    def _race_progress(self, request_id: int, mode: str, tokens: int) -> None:
-        if self.race_window is not None and self.pending and self.pending.request_id == \
-                request_id:
-            self.race_window.progress(mode, tokens)
-
-    def _race_finished(self, result: RaceResult) -> None:
-        if self.pending is None or result.request_id != self.pending.request_id:
-            return
-        self.pending = None
-        self._set_idle(True)
-        if self.race_window is not None and self.conversation is not None:
-            messages = self.history.messages(self.conversation.id)
-            while messages and messages[-1].role != "user":
-                messages.pop()
-            prompt = messages[-1].text if messages else ""
-            self.race_window.show_result(result, prompt)
-        self.race_done.emit()
-
     def _compatibility(self, target: str, verdicts: dict) -> None:
         if self.models_dialog is not None:
             self.models_dialog.show_compatibility(target, verdicts)
@@ -697,73 +459,3 @@ class MainWindow(QMainWindow):
         super().closeEvent(event)
 
 
-def _shown(m: Message) -> ShownMessage:
-    if m.role == "assistant":
-        runs = runs_of(m.text, m.stats.get("origin_runs", []))
-        return ShownMessage(m.role, runs, footer(m.stats, m.mode, m.finish or ""), m.created)
-    return ShownMessage(m.role, [(m.text, "target")], "", m.created)
-
-
-def _runs(done: ReplyDone) -> list[tuple[str, str]]:
-    """(text, origin) runs of a finished reply, as streamed."""
-    return [(t, o) for t, o in done.pieces if t]
-
-
-def _run_of(m: Message) -> RunStats:
-    """A stored reply's statistics as a RunStats with one summary step (for display only)."""
-    s = m.stats
-    if not s.get("tokens"):
-        return RunStats(mode=m.mode)
-    t = s.get("time", {})
-    origins = s.get("origins", {})
-    step = StepStats(drafted=round(s.get("mean_drafted", 0) * s.get("target_passes", 1)),
-                     accepted=round(s.get("mean_accepted", 0) * s.get("target_passes", 1)),
-                     offered=0, emitted=int(s["tokens"]), origins=dict(origins),
-                     draft_calls=0, stage2_proposed=0, stage2_used=0,
-                     t_draft=t.get("draft", 0.0), t_stage2=t.get("stage2", 0.0),
-                     t_verify=t.get("verify", 0.0), t_other=t.get("other", 0.0))
-    return RunStats(mode=m.mode, steps=[step])
-
-
-def footer(stats: dict[str, Any], mode: str, finish: str) -> str:
-    """The compact statistics line kept under every reply."""
-    if not stats.get("tokens"):
-        return f"{mode} · {finish}" if mode else ""
-    o = stats.get("origins", {})
-    total = max(1, sum(o.values()))
-    parts = [mode, f"{stats['tokens']} tokens", f"{stats.get('tokens_per_second', 0):.0f} tok/s"]
-    if "estimated_speedup" in stats:
-        parts.append(f"≈{stats['estimated_speedup']:.2f}× plain")
-    parts.append(f"τ {stats.get('tau', 0):.2f}")
-    parts.append(f"draft {o.get('draft', 0) / total:.0%} · n-gram {o.get('ngram', 0) / total:.0%}"
-                 f" · target {o.get('target', 0) / total:.0%}")
-    if finish and finish not in ("stop", "length"):
-        parts.append(finish)
-    return "  ·  ".join(parts)
-
-
-def about_text(info: ModelInfo | None) -> str:
-    import importlib.metadata as md
-
-    import numpy
-    from PySide6 import QtCore
-
-    def version(dist: str) -> str:
-        try:
-            return md.version(dist)
-        except md.PackageNotFoundError:
-            return "?"
-
-    lines = [
-        "<h3>Staged Chat " + version("staged-chat") + "</h3>",
-        "<p>Local chat with lossless staged tree speculative decoding (Spector &amp; Ré, 2023) "
-        "on llama.cpp.</p>",
-        f"<p>Python {platform.python_version()} · PySide6 {version('PySide6')} "
-        f"(Qt {QtCore.qVersion()}) · llama-cpp-python {version('llama-cpp-python')} · "
-        f"numpy {numpy.__version__}</p>",
-    ]
-    if info is not None:
-        lines.append(f"<p>Target: {info.target}<br>Draft: {info.draft or 'none'}<br>"
-                     f"{info.n_ctx}-token window, {info.threads} threads</p>"
-                     f"<p><small>llama.cpp: {info.system}</small></p>")
-    return "".join(lines)
