@@ -23,15 +23,43 @@ REBUILD = {
 """How artifacts without training metrics are made (from the repository root)."""
 
 
-def _train_command(name: str, metrics: dict[str, Any]) -> str:
-    """The deterministic rebuild of a trained model: its exact step count, not a time budget
-    (a time budget reaches a different step on a different machine)."""
-    cfg = metrics["train_config"]
-    return (f"python -m models.train --which {metrics['which']} --out models/builtin/{name} "
-            f"--steps {metrics['steps']} --seed {cfg['seed']} --batch-size {cfg['batch_size']} "
-            f"--lr {cfg['lr']} --warmup {cfg['warmup']} --threads {cfg.get('threads', 0)}"
-            + (" --no-compile" if not cfg.get("compile", True) else ""))
+# TrainConfig fields that change what a run computes, with their command-line flags
+_FLAGS = (("seed", "--seed"), ("batch_size", "--batch-size"), ("lr", "--lr"),
+          ("warmup", "--warmup"), ("schedule", "--schedule"), ("decay_frac", "--decay-frac"),
+          ("min_count", "--min-count"), ("pos_init", "--pos-init"),
+          ("short_window", "--short-window"), ("short_steps", "--short-steps"),
+          ("heads", "--heads"), ("layers", "--layers"), ("width", "--width"),
+          ("distill", "--distill"))
 
+
+def _command(which: str, out: str, steps: int, run: dict[str, Any], *extra: str) -> str:
+    """One deterministic training command: an exact step count (a time budget reaches a
+    different step on a different machine) and every flag, defaults included."""
+    flags = [f"{flag} {run[key]}" for key, flag in _FLAGS if key in run]
+    if "threads" in run:
+        flags.append(f"--threads {run['threads']}")
+    if run.get("compile") is False:
+        flags.append("--no-compile")
+    return " ".join(["python -m models.train", f"--which {which}", f"--out {out}",
+                     f"--steps {steps}", *flags, *extra])
+
+
+def _train_commands(name: str, metrics: dict[str, Any]) -> list[str]:
+    """The commands that rebuild a trained model, from the repository root: for a model
+    started from another run's weights (``--init``) or distilled from a teacher
+    (``--teacher``), the runs that make those checkpoints come first (into ``build/``)."""
+    cfg = metrics["train_config"]
+    before, extra = [], []
+    for key, flag in (("teacher_run", "--teacher"), ("init_run", "--init")):
+        origin = metrics.get(key)
+        if not origin:
+            continue
+        ckpt = f"build/{origin['which']}-{origin['step']}.pt"
+        before.append(_command(origin["which"], f"build/{origin['which']}.gguf",
+                               origin["step"], origin["run"], f"--checkpoint {ckpt}"))
+        extra.append(f"{flag} {ckpt}")
+    own = _command(metrics["which"], f"models/builtin/{name}", metrics["steps"], cfg, *extra)
+    return [*before, own]
 
 def sha256(path: Path) -> str:
     digest = hashlib.sha256()
@@ -53,9 +81,11 @@ def build(extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         metrics = _metrics(path)
         entry: dict[str, Any] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
         if metrics:
-            entry["rebuild"] = _train_command(path.name, metrics)
+            commands = _train_commands(path.name, metrics)
+            entry["rebuild"] = commands[0] if len(commands) == 1 else commands
             keep = ("config", "parameters", "seconds", "steps", "tokens", "tokens_per_s",
-                    "valid_loss", "valid_perplexity", "held_out", "python", "torch")
+                    "valid_loss", "valid_perplexity", "held_out", "corpus_packages",
+                    "python", "torch")
             entry |= {k: metrics[k] for k in keep if k in metrics}
         elif path.name in REBUILD:
             entry["rebuild"] = REBUILD[path.name]

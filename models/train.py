@@ -534,6 +534,17 @@ def rows_of(state: dict) -> np.ndarray:
     return np.flatnonzero(row_of < n_rows - 1)
 
 
+def _origin(path: Path | None, which: str) -> dict | None:
+    """The run that wrote a resumable checkpoint: its settings and step (None for none, or for a
+    checkpoint without them, such as the end-of-run file of ``run``)."""
+    if path is None:
+        return None
+    state = torch.load(path, weights_only=False, map_location="cpu")
+    if "run" not in state or "step" not in state:
+        return None
+    return {"which": which, "step": int(state["step"]), "run": state["run"]}
+
+
 def load_teacher(path: Path) -> Gpt2:
     """A trained model from a checkpoint (``run``'s or a resumable one) to distil from."""
     state = torch.load(path, weights_only=False)
@@ -582,6 +593,8 @@ def run(which: str, out: Path, cfg: TrainConfig, progress: bool = True,
         "train_config": dataclasses.asdict(cfg), "parameters": counts,
         "teacher": str(teacher_path) if teacher_path else None,
         "init": str(init) if init else None,
+        # what made those checkpoints, so the manifest can give the whole rebuild
+        "teacher_run": _origin(teacher_path, "target"), "init_run": _origin(init, which),
         **{k: v for k, v in stats.items() if k != "losses"},
         "loss_every_100_steps": [round(float(np.mean(stats["losses"][i:i + 100])), 4)
                                  for i in range(0, len(stats["losses"]), 100)],
