@@ -29,7 +29,7 @@ _FLAGS = (("seed", "--seed"), ("batch_size", "--batch-size"), ("lr", "--lr"),
           ("min_count", "--min-count"), ("pos_init", "--pos-init"),
           ("short_window", "--short-window"), ("short_steps", "--short-steps"),
           ("heads", "--heads"), ("layers", "--layers"), ("width", "--width"),
-          ("distill", "--distill"))
+          ("distill", "--distill"), ("indent_weight", "--indent-weight"))
 
 
 def _command(which: str, out: str, steps: int, run: dict[str, Any], *extra: str) -> str:

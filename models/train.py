@@ -65,6 +65,11 @@ class TrainConfig:
     decay_frac: float = 0.15
     min_count: int = 1           # tokens seen fewer times in training share one embedding row
     distill: float = 0.0         # weight of KL(teacher || model) in the loss (with --teacher)
+    # Loss weight of the positions where a line's indentation ends (see `indent_stop_weights`):
+    # the one decision a code model must get right to stop writing spaces. At 1 the loss is the
+    # plain mean; a trial at 1 left greedy decoding choosing "another space" where the stop's
+    # probability was split over many first words of the line.
+    indent_weight: float = 1.0
     pos_init: str = "normal"     # "sinusoidal": see `sinusoidal_positions_`
     # Short windows first: the first `short_steps` steps train on windows of `short_window`
     # tokens (as many tokens per step). A position-embedding row then gets n_ctx / short_window
@@ -159,7 +164,8 @@ class Gpt2(nn.Module):
         return self.output_norm(x)  # (B, T, d)
 
     def forward(self, idx: torch.Tensor, targets: torch.Tensor,
-                teacher: torch.Tensor | None = None, distill: float = 0.0) -> torch.Tensor:
+                teacher: torch.Tensor | None = None, distill: float = 0.0,
+                indent_weight: float = 1.0) -> torch.Tensor:
         """Mean next-token loss (nats) of the full-vocabulary model; ``idx``, ``targets`` (B, T).
 
         With ``teacher`` (another model's ``row_log_probs`` of ``idx``, same rows), the loss is
@@ -172,7 +178,12 @@ class Gpt2(nn.Module):
         # -log p(token) = CE over rows + the row's offset (the shared row's logit was raised by
         # log n_unseen, but the token is only one of those n_unseen)
         flat = logits.reshape(-1, logits.shape[-1]).float()
-        ce = F.cross_entropy(flat, rows) + self.row_offset[rows].mean()
+        nll = F.cross_entropy(flat, rows, reduction="none") + self.row_offset[rows]
+        if indent_weight == 1.0:
+            ce = nll.mean()
+        else:
+            w = indent_stop_weights(idx, targets, indent_weight).reshape(-1)
+            ce = (nll * w).sum() / w.sum()
         if teacher is None or distill <= 0.0:
             return ce
         t = teacher.reshape(-1, teacher.shape[-1])
@@ -191,6 +202,19 @@ class Gpt2(nn.Module):
     def logits(self, idx: torch.Tensor) -> torch.Tensor:
         """Full-vocabulary logits ``(B, T, n_vocab)``, what llama.cpp computes from the GGUF."""
         return F.linear(self._hidden(idx), self.token_embd.weight)[..., self.row_of]
+
+
+SPACE, NEWLINE = 220, 198  # GPT-2's " " and "\n"
+
+
+def indent_stop_weights(idx: torch.Tensor, targets: torch.Tensor, weight: float) -> torch.Tensor:
+    """``weight`` where the input is inside a line's leading indentation (a newline, then only
+    spaces) and the next token is the line's first non-space token, 1 elsewhere; ``(B, T)``."""
+    pos = torch.arange(idx.shape[1], device=idx.device).expand_as(idx)
+    last = torch.where(idx != SPACE, pos, -1).cummax(dim=1).values  # last non-space so far
+    inside = (last >= 0) & (idx.gather(1, last.clamp(min=0)) == NEWLINE)
+    stop = inside & (targets != SPACE) & (targets != NEWLINE)
+    return torch.where(stop, weight, 1.0)
 
 
 def param_counts(model: Gpt2) -> dict[str, int]:
@@ -299,9 +323,9 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
         x, y = next(data_iter)
         with torch.autocast("cpu", dtype=torch.bfloat16):
             if teacher is None:
-                loss = step_fn(x, y)
+                loss = step_fn(x, y, indent_weight=cfg.indent_weight)
             else:
-                loss = step_fn(x, y, teacher.row_log_probs(x), cfg.distill)
+                loss = step_fn(x, y, teacher.row_log_probs(x), cfg.distill, cfg.indent_weight)
         opt.zero_grad(set_to_none=True)
         loss.backward()
         torch.nn.utils.clip_grad_norm_(model.parameters(), cfg.grad_clip)
@@ -346,7 +370,8 @@ def _phase_batches(data: np.ndarray, n_ctx: int, cfg: TrainConfig, step: int,
 # What must match for a checkpoint to continue a run (the step count may differ: see `schedule`)
 _RUN_IDENTITY = ("batch_size", "lr", "min_lr_ratio", "warmup", "schedule", "decay_frac",
                  "weight_decay", "betas", "grad_clip", "seed", "min_count", "distill",
-                 "pos_init", "short_window", "short_steps", "heads", "layers", "width")
+                 "indent_weight", "pos_init", "short_window", "short_steps", "heads", "layers",
+                 "width")
 
 
 def _save(path: Path, model: Gpt2, opt: torch.optim.Optimizer, cfg: TrainConfig,
@@ -648,6 +673,8 @@ def parse_args(argv: Sequence[str] | None,
                    help="distil from this trained model's checkpoint (.pt), e.g. the target's")
     p.add_argument("--distill", type=float, default=0.0,
                    help="weight of KL(teacher || model) in the loss, 0..1 (with --teacher)")
+    p.add_argument("--indent-weight", type=float, default=1.0,
+                   help="loss weight where a line's indentation ends (see indent_stop_weights)")
     p.add_argument("--export-checkpoint", action="store_true",
                    help="only export the checkpoint's current weights to --out (no training)")
     p.add_argument("--no-compile", action="store_true")
@@ -664,6 +691,7 @@ def parse_args(argv: Sequence[str] | None,
         warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
         schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
         save_every=a.save_every, distill=a.distill, pos_init=a.pos_init,
+        indent_weight=a.indent_weight,
         short_window=a.short_window, short_steps=a.short_steps, heads=a.heads,
         layers=a.layers, width=a.width), a.init
 

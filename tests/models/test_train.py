@@ -202,3 +202,16 @@ def test_rows_come_from_the_checkpoint_not_from_the_corpus(tokens: np.ndarray,
         model = build(TINY, 0, seen=seen)
         state = {"model": model.state_dict()}
         assert np.array_equal(rows_of(state), np.unique(seen))
+
+
+def test_indentation_stops_are_the_weighted_positions() -> None:
+    from models.train import NEWLINE, SPACE, indent_stop_weights
+
+    # "x\n   if ...\n  \n" : the newline, three spaces, then "if" ends the indentation
+    idx = torch.tensor([[11, NEWLINE, SPACE, SPACE, SPACE, 500, SPACE, NEWLINE, SPACE]])
+    nxt = torch.tensor([[NEWLINE, SPACE, SPACE, SPACE, 500, SPACE, NEWLINE, SPACE, NEWLINE]])
+    w = indent_stop_weights(idx, nxt, 4.0)
+    # only input position 4 (the third space, next "if") is a stop; the space after "if" is
+    # not indentation, and a blank line's newline is not a stop
+    assert w.tolist() == [[1, 1, 1, 1, 4, 1, 1, 1, 1]]
+    assert indent_stop_weights(idx[:, 1:], nxt[:, 1:], 4.0).tolist() == [[1, 1, 1, 4, 1, 1, 1, 1]]
