@@ -197,9 +197,12 @@ def sample_continuations(target: Path, prompts: Sequence[str], params: SamplingP
     out = []
     with LlamaModel(target) as model, LlamaContext(model, config) as ctx:
         vocab = model.vocab
-        for prompt in prompts:
+        for i, prompt in enumerate(prompts):
             engine = Engine(ctx, config=SpecConfig(mode=Mode.PLAIN, adaptive=False))
-            tokens = [t for step in engine.generate(vocab.tokenize(prompt), max_tokens, params,
+            # one seed per prompt: with the same seed every prompt would get the same random
+            # draws, and one unlucky draw at the same step would repeat across the whole set
+            each = dataclasses.replace(params, seed=(params.seed or 0) + i)
+            tokens = [t for step in engine.generate(vocab.tokenize(prompt), max_tokens, each,
                                                     stop={vocab.eos}) for t in step.tokens]
             text = vocab.detokenize(tokens)
             verdict = judge(prompt, tokens, text)

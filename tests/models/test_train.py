@@ -215,3 +215,17 @@ def test_indentation_stops_are_the_weighted_positions() -> None:
     # not indentation, and a blank line's newline is not a stop
     assert w.tolist() == [[1, 1, 1, 1, 4, 1, 1, 1, 1]]
     assert indent_stop_weights(idx[:, 1:], nxt[:, 1:], 4.0).tolist() == [[1, 1, 1, 4, 1, 1, 1, 1]]
+
+
+def test_averaged_weights_are_the_mean_and_need_one_architecture() -> None:
+    from models.train import average_states
+
+    def state(value: float, rows: list[int]) -> dict:
+        return {"step": 7, "model_config": {"n_embd": 2},
+                "model": {"w": torch.full((2, 2), value), "row_of": torch.tensor(rows)}}
+
+    mean = average_states([state(1.0, [0, 1]), state(3.0, [0, 1]), state(8.0, [0, 1])])
+    assert torch.equal(mean["model"]["w"], torch.full((2, 2), 4.0))
+    assert torch.equal(mean["model"]["row_of"], torch.tensor([0, 1])) and mean["step"] == 7
+    with pytest.raises(ValueError, match="one row table"):
+        average_states([state(1.0, [0, 1]), state(1.0, [1, 0])])
