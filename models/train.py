@@ -81,6 +81,7 @@ class TrainConfig:
     layers: int = 0              # 0: the model's own depth
     width: int = 0               # 0: the model's own embedding size
     save_every: int = 0          # steps between resumable checkpoints (0: none)
+    save_at: tuple[int, ...] = ()  # steps whose checkpoint is also kept as CHECKPOINT-stepN.pt
     weight_decay: float = 0.1    # matrices and embeddings only, not biases and norms
     betas: tuple[float, float] = (0.9, 0.95)
     grad_clip: float = 1.0
@@ -345,9 +346,12 @@ def train(model: Gpt2, data: np.ndarray, cfg: TrainConfig, valid: np.ndarray | N
             evals.append((step, evaluate(model, valid, max_windows=8, bf16=True)))
             log.info("step %d: train loss %.3f, quick valid loss %.3f", step,
                      np.mean(losses[-20:]), evals[-1][1])
-        if checkpoint is not None and cfg.save_every and step % cfg.save_every == 0:
-            _save(checkpoint, model, opt, cfg, step=step, total=total, losses=losses,
-                  evals=evals, seconds=elapsed + time.perf_counter() - start)
+        for path, due in ((checkpoint, cfg.save_every and step % cfg.save_every == 0),
+                          (checkpoint and checkpoint.with_name(f"{checkpoint.stem}-step{step}.pt"),
+                           step in cfg.save_at)):
+            if path is not None and due:
+                _save(path, model, opt, cfg, step=step, total=total, losses=losses,
+                      evals=evals, seconds=elapsed + time.perf_counter() - start)
     bar.close()
     seconds = elapsed + time.perf_counter() - start
     return {"steps": step, "tokens": step * tokens_per_step, "seconds": round(seconds, 1),
@@ -546,6 +550,7 @@ def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig,
     state = torch.load(checkpoint, weights_only=False)
     if average:
         state = average_states([state, *(torch.load(p, weights_only=False) for p in average)])
+        torch.save(state, out.with_suffix(".pt"))  # e.g. a teacher to distil from
     model = build(Gpt2Config(**state["model_config"]), cfg.seed, seen=rows_of(state))
     model.load_state_dict(state["model"])
     log.info("%s at step %d%s", checkpoint, state["step"],
@@ -679,6 +684,9 @@ def parse_args(argv: Sequence[str] | None,
                    help="tokens seen fewer times in training share one embedding row")
     p.add_argument("--save-every", type=int, default=100,
                    help="steps between resumable checkpoints (0: none)")
+    p.add_argument("--save-at", type=int, nargs="+", default=[],
+                   help="also keep the checkpoint of these steps (CHECKPOINT-stepN.pt), e.g. to "
+                        "continue another run from there with --init")
     p.add_argument("--checkpoint", type=Path, help="resumable checkpoint file (default: "
                    "~/.cache/staged-chat/train/WHICH-seedN.pt); an existing one is resumed")
     p.add_argument("--pos-init", choices=("normal", "sinusoidal"), default=defaults.pos_init,
@@ -718,7 +726,7 @@ def parse_args(argv: Sequence[str] | None,
         steps=a.steps, minutes=a.minutes, tokens=a.tokens, batch_size=a.batch_size, lr=a.lr,
         warmup=a.warmup, seed=a.seed, compile=not a.no_compile, threads=a.threads,
         schedule=a.schedule, decay_frac=a.decay_frac, min_count=a.min_count,
-        save_every=a.save_every, distill=a.distill, pos_init=a.pos_init,
+        save_every=a.save_every, save_at=tuple(a.save_at), distill=a.distill, pos_init=a.pos_init,
         indent_weight=a.indent_weight,
         short_window=a.short_window, short_steps=a.short_steps, heads=a.heads,
         layers=a.layers, width=a.width), a.init

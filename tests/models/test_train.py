@@ -229,3 +229,11 @@ def test_averaged_weights_are_the_mean_and_need_one_architecture() -> None:
     assert torch.equal(mean["model"]["row_of"], torch.tensor([0, 1])) and mean["step"] == 7
     with pytest.raises(ValueError, match="one row table"):
         average_states([state(1.0, [0, 1]), state(1.0, [1, 0])])
+
+
+def test_save_at_keeps_the_checkpoints_of_those_steps(tokens: np.ndarray, tmp_path: Path) -> None:
+    cfg = dataclasses.replace(STEPS, steps=4, save_every=4, save_at=(2,), schedule="wsd")
+    torch.set_num_threads(cfg.threads)
+    train(build(TINY, 0, seen=tokens), tokens, cfg, progress=False, checkpoint=tmp_path / "r.pt")
+    assert torch.load(tmp_path / "r-step2.pt", weights_only=False)["step"] == 2
+    assert torch.load(tmp_path / "r.pt", weights_only=False)["step"] == 4
