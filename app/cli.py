@@ -29,6 +29,11 @@ from speculative.stats import RunStats
 log = logging.getLogger(__name__)
 
 
+DEFAULT_PROMPT = ('def is_palindrome(text: str) -> bool:\n'
+                  '    """Return True if text reads the same forwards and backwards, ignoring '
+                  'case."""\n')
+
+
 def _modes(text: str) -> list[Mode]:
     if text == "all":
         return Mode.selectable()
@@ -84,7 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                      help="auto (default), plain, chain, tree, staged, ngram; a comma list "
                           "or 'all' compares them")
     src = gen.add_mutually_exclusive_group()
-    src.add_argument("--prompt", default="def fibonacci(n):\n")
+    # the kind of prompt the built-in target was judged on (models.evaluate --samples): a
+    # signature and a docstring. After a bare "def f(n):" line it still often writes spaces.
+    src.add_argument("--prompt", default=DEFAULT_PROMPT)
     src.add_argument("--prompt-file", type=Path)
     bench = sub.add_parser("bench", parents=[common],
                            help="every mode on a set of prompts, speedups vs plain")

@@ -18,7 +18,7 @@ BUILTIN = Path(__file__).resolve().parent / "builtin"
 MANIFEST = BUILTIN / "manifest.json"
 
 REBUILD = {
-    "ngram.npz": "python -m models.build_ngram --out models/builtin/ngram.npz",
+    "ngram.npz": "python -m models.build_ngram --out models/builtin/ngram.npz --min-count 3",
 }
 """How artifacts without training metrics are made (from the repository root)."""
 
@@ -81,7 +81,8 @@ def build(extra: dict[str, dict[str, Any]] | None = None) -> dict[str, Any]:
         metrics = _metrics(path)
         entry: dict[str, Any] = {"bytes": path.stat().st_size, "sha256": sha256(path)}
         if metrics:
-            commands = _train_commands(path.name, metrics)
+            # a model made by more than one run (e.g. averaged) says how in its metrics
+            commands = metrics.get("rebuild") or _train_commands(path.name, metrics)
             entry["rebuild"] = commands[0] if len(commands) == 1 else commands
             keep = ("config", "parameters", "seconds", "steps", "tokens", "tokens_per_s",
                     "valid_loss", "valid_perplexity", "held_out", "corpus_packages",

@@ -555,7 +555,9 @@ def export_checkpoint(which: str, checkpoint: Path, out: Path, cfg: TrainConfig,
     model.load_state_dict(state["model"])
     log.info("%s at step %d%s", checkpoint, state["step"],
              f", averaged with {', '.join(map(str, average))}" if average else "")
-    return export(model, out, "q8_0", name=f"staged-chat-{which}-step{state['step']}")
+    # an average is a finished model (named as `run` names one); a snapshot says its step
+    name = f"staged-chat-{which}" if average else f"staged-chat-{which}-step{state['step']}"
+    return export(model, out, "q8_0", name=name)
 
 
 def average_states(states: Sequence[dict]) -> dict:

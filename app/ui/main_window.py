@@ -350,8 +350,8 @@ class MainWindow(ReplyFlow, QMainWindow):
         self.format_combo.blockSignals(False)
         self.format_label.setText(f"format: {fmt.label}")
         self.input.setPlaceholderText(
-            "Start some Python for the model to complete, e.g. def fibonacci(n):  "
-            "— Enter sends, Shift+Enter adds a line" if fmt.name == "code" else
+            "Start some Python for the model to complete: a function's signature and "
+            "docstring works best — Enter sends, Shift+Enter adds a line" if fmt.name == "code" else
             "Message the model — Enter sends, Shift+Enter adds a line")
 
     # ------------------------------------------------------------------ requests

@@ -175,9 +175,9 @@ def test_short_windows_first_then_full_ones_and_resume_across_the_switch(tokens:
     model = build(TINY, 0, seen=tokens)
     original = model.forward
 
-    def record(x, y, *rest):
+    def record(x, y, *rest, **options):
         shapes.append(tuple(x.shape))
-        return original(x, y, *rest)
+        return original(x, y, *rest, **options)
 
     model.forward = record
     train(model, tokens, cfg, progress=False)
