@@ -241,10 +241,15 @@ def test_cli_generates_to_the_end_of_the_window_in_every_mode(tiny_models, capsy
 def test_issue_command_on_the_builtin_models(capsys, mode, temp) -> None:
     """``staged-chat generate --prompt "def f():" -n 100000 --mode tree`` (and the others the
     issue lists) failed with "failed to find a memory slot" near the end of the window."""
-    code, out, err = _cli(capsys, "--prompt", "def f():", "-n", "100000", "--mode", mode,
-                          "--temp", temp, "--json")
-    assert code == 0, err
-    assert json.loads(out)["finish"] == "context"
+    finishes = []
+    for seed in range(8):  # sampling may end the text (end of text) before the window does
+        code, out, err = _cli(capsys, "--prompt", "def f():", "-n", "100000", "--mode", mode,
+                              "--temp", temp, "--seed", str(seed), "--json")
+        assert code == 0, err
+        finishes.append(json.loads(out)["finish"])
+        if finishes[-1] == "context":
+            break
+    assert set(finishes) <= {"context", "stop"} and finishes[-1] == "context", finishes
 
 
 def test_cli_prompt_longer_than_the_window_exits_with_a_message(tiny_models, capsys) -> None:
