@@ -279,9 +279,6 @@ class Engine:
                                   time.perf_counter() - t0, calibration,
                                   budget.max_depth - depth)
 
-        if planner.wants_root():
-            self._guesses = ()
-            return DraftTree(TokenTree.rooted(committed[-1]), {})
         if isinstance(drafter, NgramDrafter):
             draft = grow_tree(drafter, committed, budget, params, rng)
         else:

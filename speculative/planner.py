@@ -123,12 +123,6 @@ class Planner:
         return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
                 and mine.value < root.value)
 
-    def wants_root(self) -> bool:
-        """Take a step with the target alone, to measure it: the other kinds have been
-        measured and it has not (the model may have predicted that drafting always pays)."""
-        others = self.rates["draft"].steps + self.rates["guesses"].steps
-        return self.rates["root"].steps < MIN_STEPS and others >= MIN_STEPS
-
     def guesses_allowed(self) -> bool:
         """Whether to hang n-gram guesses this step: unless they measured a loss, explored
         again every ``EXPLORE_EVERY`` steps. (A counter and past steps, never this step.)"""
