@@ -136,22 +136,3 @@ def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
         assert np.abs(logits[-1] - scratch[-1]).max() < 1e-2
         assert int(np.argmax(logits[-1])) == int(np.argmax(scratch[-1]))
         fresh.close()
-
-
-def test_a_kind_of_step_measured_slower_than_the_target_alone_is_not_taken() -> None:
-    from speculative.costmodel import VerifyCost
-    from speculative.planner import EXPLORE_EVERY, Planner
-
-    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(curve, curve)
-    assert not planner.measured_loss("draft")  # nothing measured: the model decides
-    for _ in range(5):
-        planner.observe_step("root", 1, 0.01)      # 100 tokens/s alone
-        planner.observe_step("draft", 2, 0.04)     # 50 tokens/s with the draft
-        planner.observe_step("guesses", 3, 0.02)   # 150 tokens/s with n-gram guesses
-    assert planner.measured_loss("draft") and not planner.measured_loss("guesses")
-    for _ in range(5):
-        planner.observe_step("guesses", 1, 0.05)
-    assert planner.measured_loss("guesses")
-    allowed = [planner.guesses_allowed() for _ in range(2 * EXPLORE_EVERY)]
-    assert allowed.count(True) == 2 and allowed[EXPLORE_EVERY - 1]  # explored, not abandoned
