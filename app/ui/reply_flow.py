@@ -74,23 +74,25 @@ class ReplyFlow:
         self.chat.add_message(shown(message))
         return self._request("reply")
 
-    def regenerate(self) -> None:
+    def _last_reply(self) -> Message | None:
+        """The conversation's last message if it is the model's and no reply is running."""
         if self.pending is not None or self.conversation is None:
-            return
+            return None
         messages = self.history.messages(self.conversation.id)
-        if not messages or messages[-1].role != "assistant":
+        return messages[-1] if messages and messages[-1].role == "assistant" else None
+
+    def regenerate(self) -> None:
+        last = self._last_reply()
+        if last is None:
             return
-        self.history.delete_message(messages[-1].id)
+        self.history.delete_message(last.id)
         self.chat.drop_last()
         self._request("reply")
 
     def continue_reply(self) -> None:
-        if self.pending is not None or self.conversation is None:
-            return
-        messages = self.history.messages(self.conversation.id)
-        if not messages or messages[-1].role != "assistant":
-            return
-        self._request("continue", continued=messages[-1])
+        last = self._last_reply()
+        if last is not None:
+            self._request("continue", continued=last)
 
     def _request(self, kind: str, continued: Message | None = None) -> int | None:
         assert self.conversation is not None
