@@ -260,6 +260,9 @@ def _transfer(
     except (httpx2.ConnectError, httpx2.ConnectTimeout) as e:
         raise OfflineError(_offline_message(url, str(e) or type(e).__name__)) from e
     except httpx2.TransportError as e:
+        if cancel is not None and cancel.is_set():  # cancelled while the server stalled
+            raise DownloadCancelled(
+                f"download cancelled after {done} bytes; run it again to resume") from e
         raise DownloadInterrupted(
             f"connection lost after {done} of {size or '?'} bytes ({e}); run again to resume"
         ) from e
