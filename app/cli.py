@@ -18,6 +18,7 @@ from app.bench import add_arguments as add_bench_arguments
 from app.bench import bench
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import ContextConfig
+from speculative.divergence import explain
 from speculative.drafting import TreeBudget
 from speculative.engine import Engine, Mode, SpecConfig
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
@@ -189,6 +190,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             stream = out if not args.json and len(args.mode) == 1 else None
             results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
             cost = (engine.verify_cost, engine.draft_cost)
+        if params.greedy:
+            _explain(results, pair.target_ctx, prompt)
         _report(results, out, args.json, prompt_text=text)
     return 0
 
@@ -212,6 +215,20 @@ def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
         stream.write(decoder.decode(b"", final=True) + "\n")
     return {"mode": engine.config.mode.value, "text": vocab.detokenize(tokens),
             "tokens": tokens, "finish": finish or "length", "stats": run.summary()}
+
+
+def _explain(results: list[dict[str, Any]], ctx: Any, prompt: list[int]) -> None:
+    """Where a greedy run parts from plain's, whether batch-shape rounding explains it
+    (``speculative.divergence``)."""
+    plain = next((r for r in results if r["mode"] == "plain"), None)
+    if plain is None:
+        return
+    for r in results:
+        d = explain(ctx, prompt, plain["tokens"], r["tokens"])
+        if d is not None:
+            r["divergence"] = {"index": d.index, "plain": d.a, "this": d.b,
+                               "margins": d.margins, "tie": d.tie}
+            r["divergence_text"] = d.describe()
 
 
 def _report(results: list[dict[str, Any]], out: TextIO, as_json: bool, prompt_text: str) -> None:
@@ -261,8 +278,16 @@ def format_table(results: list[dict[str, Any]]) -> str:
         depth = " ".join(f"{x:.2f}" for x in s["depth_acceptance"][:6]) or "-"
         speed = f"{r['speedup_vs_plain']:.2f}x" if "speedup_vs_plain" in r else "-"
         same = {True: "yes", False: "no"}.get(r.get("identical_to_plain"), "-")
+        if "divergence" in r:
+            d = r["divergence"]
+            same = f"no: {'a tie' if d['tie'] else 'NOT a tie'} at token {d['index']}"
         rows.append(f"{r['mode']:<8}{s['tokens']:>7}{s['target_passes']:>8}{s['tau']:>7.2f}"
                     f"{s['tokens_per_second']:>9.1f}{speed:>9}{depth:>30}  {same}")
+    notes = [f"{r['mode']} differs from plain at {r['divergence_text']}"
+             for r in results if "divergence_text" in r]
+    if notes:
+        rows += ["", *notes, "(a tie: the target's own logits there change with llama.cpp's "
+                 "batch shape; see speculative/divergence.py)"]
     return "\n".join(rows)
 
 

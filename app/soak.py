@@ -8,7 +8,9 @@ built-in target alone, and back). It reports:
 - resident memory (VmRSS) at the start, its peak during the warm-up (the first third of the
   tokens), its peak since and at the end: flat means no new high beyond a small margin;
 - how many replies equal plain decoding of the same prompt (the same conversation so far):
-  each distinct prompt is answered once in plain mode, then re-asked in the turn's mode;
+  each distinct prompt is answered once in plain mode, then re-asked in the turn's mode; a
+  reply that differs is explained (``speculative.divergence``): where the target's own logits
+  tie under llama.cpp's batch shapes, or NOT (an error: the soak fails);
 - llama.cpp contexts alive after each model switch and after closing the window, counted by
   instrumenting ``LlamaContext`` from outside (a weak set of every instance created).
 
@@ -34,9 +36,13 @@ from typing import Any
 from PySide6.QtCore import QEventLoop, QTimer, SignalInstance
 
 from app.main import create_app, open_window
+from app.prompting import FORMATS, build_prompt
+from app.settings import AppSettings
 from app.ui.main_window import MainWindow
 from models.catalog import builtin_pair
 from speculative import backend
+from speculative.backend import LlamaContext, LlamaModel
+from speculative.divergence import explain
 from speculative.engine import Mode
 
 log = logging.getLogger(__name__)
@@ -67,7 +73,8 @@ class SoakReport:
     switches: int = 0               # model loads after the first
     compared: int = 0               # replies checked against plain decoding of the same prompt
     identical: int = 0
-    mismatches: list[str] = dataclasses.field(default_factory=list)  # turn, mode, where
+    mismatches: list[str] = dataclasses.field(default_factory=list)  # turn, mode, where, why
+    ties: int = 0                   # mismatches at a batch-shape tie of the target's logits
     rss_start_kib: int = 0          # before the window opened
     rss_warm_kib: int = 0           # the highest after a turn of the warm-up (WARM_UP of tokens)
     rss_peak_kib: int = 0           # the highest after a turn since, the end included
@@ -82,6 +89,11 @@ class SoakReport:
         """No new high after the warm-up: where each load's buffers land varies by tens of MiB
         (the pair holds ~50 MiB more than the target alone), a leak climbs past them."""
         return self.rss_peak_kib - self.rss_warm_kib <= RSS_MARGIN_KIB
+
+    @property
+    def errors(self) -> int:
+        """Replies that differ from plain where the target's logits do not tie."""
+        return self.compared - self.identical - self.ties
 
     @property
     def context_leak(self) -> bool:
@@ -155,8 +167,9 @@ class Soak:
     """Drives one window through the session; ``run()`` fills the report."""
 
     def __init__(self, window: MainWindow, census: ContextCensus, modes: Sequence[str],
-                 switch_every: int, report: SoakReport) -> None:
+                 switch_every: int, report: SoakReport, referee: LlamaContext) -> None:
         self.window, self.census, self.modes = window, census, list(modes)
+        self.referee = referee  # the target, for explaining replies that differ from plain
         self.switch_every, self.report = switch_every, report
         self.references: dict[tuple[tuple[str, str], ...], list[int]] = {}
         self.with_draft = True
@@ -218,7 +231,7 @@ class Soak:
         else:
             self._set_mode(mode)
             reply = self._ask(lambda: window.send_text(text))
-        self._compare(reply.tokens, self.references[key], turn, mode)
+        self._compare(reply.tokens, self.references[key], turn, mode, key)
         return reply.finish == "context" or self.dropped > 0 or users + 1 >= 4
 
     def _mode(self, turn: int) -> str:
@@ -245,19 +258,31 @@ class Soak:
         self.report.turns += 1
         return reply
 
-    def _compare(self, tokens: list[int], plain: list[int], turn: int, mode: str) -> None:
+    def _compare(self, tokens: list[int], plain: list[int], turn: int, mode: str,
+                 key: tuple[tuple[str, str], ...]) -> None:
         self.report.compared += 1
         if tokens == plain:
             self.report.identical += 1
             return
-        at = next((i for i, (a, b) in enumerate(zip(tokens, plain, strict=False))
-                   if a != b),
-                  min(len(tokens), len(plain)))
         models = "pair" if self.with_draft else "target alone"
-        self.report.mismatches.append(f"turn {turn} ({mode}, {models}, token {at})")
-        log.warning("turn %d (%s, %s) differs from plain decoding at token %d of %d/%d: "
-                    "%s vs %s", turn, mode, models, at, len(tokens), len(plain),
-                    tokens[at:at + 4], plain[at:at + 4])
+        why = explain(self.referee, self._prompt(key), plain, tokens)
+        if why is None:  # one is a prefix of the other: a stop string cut it elsewhere
+            at, tie, text = min(len(tokens), len(plain)), False, "one reply ends early"
+        else:
+            at, tie, text = why.index, why.tie, why.describe()
+        self.report.ties += tie
+        self.report.mismatches.append(
+            f"turn {turn} ({mode}, {models}, token {at}: {'a tie' if tie else 'NOT a tie'})")
+        log.warning("turn %d (%s, %s) differs from plain decoding at %s", turn, mode, models,
+                    text)
+
+    def _prompt(self, key: tuple[tuple[str, str], ...]) -> list[int]:
+        """The tokens the worker decoded for the conversation ``key`` (app.worker._prompt)."""
+        (_, fmt), *messages = key
+        settings, ctx = self.window.settings, self.referee
+        room = min(settings.max_tokens, ctx.n_ctx // 2)
+        return build_prompt(FORMATS[fmt], messages, ctx.model.vocab.tokenize, ctx.n_ctx,
+                            room).tokens
 
     def _new_conversation(self) -> None:
         self.window.new_conversation()
@@ -291,6 +316,11 @@ def run_soak(tokens: int, modes: Sequence[str], switch_every: int = 3, max_token
     create_app()
     census = ContextCensus()
     with contextlib.ExitStack() as stack:
+        # the referee: the built-in target in a context like the worker's (before the census,
+        # which counts the window's contexts only)
+        model = stack.enter_context(LlamaModel(builtin_pair()[0]))
+        referee = stack.enter_context(LlamaContext(
+            model, AppSettings(max_tokens=max_tokens).context(threads=1)))
         folder = data_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         stack.enter_context(census.installed())
         settings = {"temperature": 0.0, "seed": 0, "max_tokens": max_tokens,
@@ -298,7 +328,7 @@ def run_soak(tokens: int, modes: Sequence[str], switch_every: int = 3, max_token
         window = _loaded(folder, settings)
         try:
             report.conversations = 1
-            Soak(window, census, modes, switch_every, report).run(tokens)
+            Soak(window, census, modes, switch_every, report, referee).run(tokens)
         finally:
             window.close()
             window.history.close()
@@ -323,7 +353,8 @@ def format_report(r: SoakReport) -> str:
     return "\n".join([
         f"soak: {r.tokens} tokens in {r.turns} replies, {r.conversations} conversations, "
         f"{r.mode_toggles} mode toggles, {r.switches} model switches, {r.seconds:.0f} s",
-        f"identical to plain: {r.identical} of {r.compared}"
+        f"identical to plain: {r.identical} of {r.compared}; {r.ties} part from plain at a "
+        f"batch-shape tie of the target's logits, {r.errors} where it does not tie"
         + (f" (differ: {', '.join(r.mismatches)})" if r.mismatches else ""),
         f"resident memory: start {r.rss_start_kib / mib:.0f} MiB, warm-up peak "
         f"{r.rss_warm_kib / mib:.0f} MiB, peak since {r.rss_peak_kib / mib:.0f} MiB, end "
@@ -354,10 +385,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     report = run_soak(args.tokens, modes, args.switch_every, args.max_tokens, args.data_dir)
     if args.json:
         print(json.dumps({**dataclasses.asdict(report), "rss_flat": report.rss_flat,
-                          "context_leak": report.context_leak}, indent=2))
+                          "errors": report.errors, "context_leak": report.context_leak},
+                         indent=2))
     else:
         print(format_report(report))
-    ok = report.identical == report.compared and report.rss_flat and not report.context_leak
+    ok = report.errors == 0 and report.rss_flat and not report.context_leak
     return 0 if ok else 1
 
 

@@ -31,6 +31,7 @@ from app.prompting import FORMATS, Prompt, build_prompt, find_stop, held_back
 from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import system_info
+from speculative.divergence import Divergence, explain
 from speculative.engine import Engine, Mode
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import ModelPair, open_pair
@@ -124,6 +125,8 @@ class RaceResult:
     request_id: int
     plain: RaceRun
     speculative: RaceRun
+    # greedy texts that differ: where, and whether the target's own logits tie there
+    divergence: Divergence | None = None
 
     @property
     def identical(self) -> bool:
@@ -229,7 +232,11 @@ class EngineWorker(QObject):
                 self.status.emit(f"Race: {mode.value}…")
                 runs.append(self._race_run(engine, request, prompt, mode.value))
             engine.config = request.settings.spec()
-            self.race_finished.emit(RaceResult(request.request_id, *runs))
+            why = None
+            if request.settings.temperature <= 0 and runs[0].tokens != runs[1].tokens:
+                why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens)
+                engine.target.reset()  # the replays used its cache
+            self.race_finished.emit(RaceResult(request.request_id, *runs, why))
         except _Cancelled:
             self.failed.emit(request.request_id, "race stopped")
         except Exception as exc:

@@ -143,6 +143,12 @@ class RaceWindow(QDialog):
         self.right.title.setText(MODE_LABELS.get(result.speculative.mode,
                                                  result.speculative.mode))
         same = "identical texts" if result.identical else "the texts differ"
+        why = result.divergence
+        if why is not None and why.tie:
+            same += (f" from token {why.index}, where the model's two best tokens tie (llama.cpp "
+                     f"rounds a batch of tokens a little differently from one token)")
+        elif why is not None:
+            same += f" from token {why.index}, and NOT at a tie: please report this"
         self.status.setText(f"Measured one after the other with the same seed; replayed on one "
                             f"clock. {result.plain.run.tokens} vs {result.speculative.run.tokens}"
                             f" tokens, {same}.")
@@ -168,7 +174,9 @@ class RaceWindow(QDialog):
         if all(done):
             self._timer.stop()
             r = self.result
-            same = "identical" if r.identical else "NOT identical"
+            same = "identical" if r.identical else (
+                "part at a tie" if r.divergence is not None and r.divergence.tie
+                else "NOT identical")
             self.verdict.setText(f"{r.speedup:.2f}× faster · texts {same}")
             self.replay.setEnabled(True)
             self.replays += 1

@@ -535,10 +535,12 @@ def test_void_calls_and_bool_signals_never_deallocate_singletons() -> None:
 
 
 def test_a_short_soak_stays_identical_to_plain_and_frees_its_contexts(qtbot: Any) -> None:
-    """``python -m app.soak`` in brief: 600 tokens, modes toggled, the models switched."""
+    """``python -m app.soak`` in brief: 600 tokens, modes toggled, the models switched. A reply
+    may part from plain only where the target's own logits tie under llama.cpp's batch shapes
+    (``speculative.divergence``); anywhere else it is an error."""
     report = run_soak(600, ["plain", "tree", "staged", "ngram"], switch_every=3, max_tokens=40)
     assert report.tokens >= 600 and report.mode_toggles >= 3 and report.switches >= 1
-    assert report.compared > 0 and report.identical == report.compared, report.mismatches
+    assert report.compared > 0 and report.errors == 0, report.mismatches
     # after each load: two contexts with the pair, one with the target alone; none once closed
     alive = [(a, e) for _, a, e in report.contexts]
     assert len(alive) == report.switches + 1 and [e for _, e in alive][:2] == [2, 1]
