@@ -256,6 +256,10 @@ class Engine:
             t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
         if self.planner is not None:
             self.planner.steps_overhead.add(stats.t_other)
+            if config.mode is Mode.AUTO:
+                kind = ("draft" if counters.calls else
+                        "guesses" if len(tree) > 1 else "root")
+                self.planner.observe_step(kind, stats.emitted, t3 - t0)
         return [*accepted, verdict.next_token], origins, stats
 
     def _auto_tree(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
@@ -275,12 +279,15 @@ class Engine:
                                   time.perf_counter() - t0, calibration,
                                   budget.max_depth - depth)
 
+        if planner.wants_root():
+            self._guesses = ()
+            return DraftTree(TokenTree.rooted(committed[-1]), {})
         if isinstance(drafter, NgramDrafter):
             draft = grow_tree(drafter, committed, budget, params, rng)
         else:
             draft = self._maybe_draft(drafter, committed, budget, params, rng, expand)
         self._guesses = ()
-        if params.greedy:
+        if params.greedy and planner.guesses_allowed():
             draft = self._add_guesses(draft, committed, budget)
         return self._right_size(draft, drafter, params)
 
@@ -290,7 +297,8 @@ class Engine:
         """Grow the draft tree if even its first batch pays; else a lone root."""
         planner = self.planner
         assert planner is not None
-        pays = planner.expand([1.0], [], 0.0, self._calibration.factor, budget.max_depth) > 0
+        pays = (planner.expand([1.0], [], 0.0, self._calibration.factor, budget.max_depth) > 0
+                and not planner.measured_loss("draft"))
         if not pays and not planner.explore():
             return DraftTree(TokenTree.rooted(committed[-1]), {})
         planner.drafted()

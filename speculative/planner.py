@@ -18,6 +18,13 @@ ratio beats the ratio reached so far. Two kinds of pieces:
 - free n-gram guesses appended below the best drafted leaf (greedy only): they cost only their
   share of the target pass, and the final cut (``costmodel.best_size``) keeps those that pay.
 
+The model's predictions are checked against what steps really yield: the tokens per second of
+steps where the draft ran, of steps with n-gram guesses only, and of the target alone, as
+decayed running rates. A kind of step measured slower than the target alone is not taken,
+whatever the model predicts (costs it does not see: the draft's sampling, cache bookkeeping),
+and is explored again after ``EXPLORE_EVERY`` steps, since the text's difficulty drifts (the
+wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times).
+
 On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and wide;
 on a CPU whose second batch token costs 0.75 of the first, it drafts only when the draft is
 confident, and lets plain decoding run otherwise. Every choice depends on the draft's
@@ -33,6 +40,7 @@ from .costmodel import VerifyCost
 
 LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
 EXPLORE_EVERY = 24  # steps without drafting after which the draft is tried once more
+MAX_BACKOFF = 8     # at most this many times longer while explorations keep losing
 
 
 @dataclasses.dataclass(slots=True)
@@ -54,6 +62,28 @@ class Running:
 
 
 @dataclasses.dataclass(slots=True)
+class Rate:
+    """Decayed running tokens per second of one kind of step (what a step really yielded)."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+    decay: float = 0.95
+
+    def add(self, tokens: int, seconds: float) -> None:
+        self.tokens = self.decay * self.tokens + tokens
+        self.seconds = self.decay * self.seconds + seconds
+        self.steps = self.decay * self.steps + 1.0
+
+    @property
+    def value(self) -> float:
+        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+
+
+MIN_STEPS = 3.0  # decayed steps of both kinds before measured rates overrule the model
+
+
+@dataclasses.dataclass(slots=True)
 class Planner:
     """What ``auto`` knows: the two cost curves and running estimates of the draft's quality."""
 
@@ -66,16 +96,60 @@ class Planner:
     # P(an n-gram guess is accepted | its parent was): the chain's per-level hit rate
     ngram_hits: Running = dataclasses.field(default_factory=lambda: Running(prior=0.3))
     idle: int = 0  # steps since the draft last ran
+    explore_every: int = EXPLORE_EVERY  # steps between explorations (backs off, see explore)
+    # what steps really yielded, by kind: "root" (the target alone), "guesses" (n-gram guesses
+    # only), "draft" (the draft model ran). The cost model above predicts; these check it: a
+    # kind measured slower than the target alone is not taken (but explored now and then).
+    rates: dict[str, Rate] = dataclasses.field(
+        default_factory=lambda: {"root": Rate(), "guesses": Rate(), "draft": Rate()})
+    guess_idle: int = 0  # steps since n-gram guesses were last verified
+    guess_every: int = EXPLORE_EVERY  # steps between n-gram explorations while they lose
 
     def explore(self) -> bool:
         """Draft this step although the estimates say it does not pay: they were made when the
         text was different, and are only updated by steps that draft. (Decided by a counter,
-        never by this step's draws.)"""
+        never by this step's draws.) Each exploration that finds drafting still at a measured
+        loss doubles the wait before the next, up to ``MAX_BACKOFF`` times."""
         self.idle += 1
-        return self.draft is not None and self.idle >= EXPLORE_EVERY
+        if self.draft is None or self.idle < self.explore_every:
+            return False
+        lost = self.measured_loss("draft")
+        self.explore_every = (min(self.explore_every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost
+                              else EXPLORE_EVERY)
+        return True
 
     def drafted(self) -> None:
         self.idle = 0
+
+    def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
+        """A finished step of ``kind`` ("root", "guesses" or "draft") emitted ``tokens``."""
+        self.rates[kind].add(tokens, seconds)
+
+    def measured_loss(self, kind: str) -> bool:
+        """Steps of ``kind`` have really been slower than the target alone, over enough recent
+        steps of both: the cost model's prediction was wrong on this machine (costs it does
+        not see: the draft's sampling, cache bookkeeping, a tree's attention mask)."""
+        mine, root = self.rates[kind], self.rates["root"]
+        return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
+                and mine.value < root.value)
+
+    def wants_root(self) -> bool:
+        """Take a step with the target alone, to measure it: the other kinds have been
+        measured and it has not (the model may have predicted that drafting always pays)."""
+        others = self.rates["draft"].steps + self.rates["guesses"].steps
+        return self.rates["root"].steps < MIN_STEPS and others >= MIN_STEPS
+
+    def guesses_allowed(self) -> bool:
+        """Whether to hang n-gram guesses this step: unless they measured a loss, explored
+        again every ``EXPLORE_EVERY`` steps. (A counter and past steps, never this step.)"""
+        self.guess_idle += 1
+        lost = self.measured_loss("guesses")
+        if lost and self.guess_idle < self.guess_every:
+            return False
+        self.guess_every = (min(self.guess_every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost
+                            else EXPLORE_EVERY)
+        self.guess_idle = 0
+        return True
 
     def expand(self, frontier: list[float], scores: list[float], t_spent: float,
                calibration: float, levels_left: int) -> int:

@@ -136,3 +136,40 @@ def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
         assert np.abs(logits[-1] - scratch[-1]).max() < 1e-2
         assert int(np.argmax(logits[-1])) == int(np.argmax(scratch[-1]))
         fresh.close()
+
+
+def test_a_kind_of_step_measured_slower_than_the_target_alone_is_not_taken() -> None:
+    from speculative.costmodel import VerifyCost
+    from speculative.planner import EXPLORE_EVERY, Planner
+
+    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
+    planner = Planner(curve, curve)
+    assert not planner.measured_loss("draft")  # nothing measured: the model decides
+    assert not planner.wants_root()
+    for _ in range(4):  # decayed: 1 + 0.95 + 0.95**2 + 0.95**3 >= MIN_STEPS
+        planner.observe_step("draft", 2, 0.04)
+    assert planner.wants_root()  # drafting measured, the target alone not yet
+    for _ in range(5):
+        planner.observe_step("root", 1, 0.01)      # 100 tokens/s alone
+        planner.observe_step("draft", 2, 0.04)     # 50 tokens/s with the draft
+        planner.observe_step("guesses", 3, 0.02)   # 150 tokens/s with n-gram guesses
+    assert planner.measured_loss("draft") and not planner.measured_loss("guesses")
+    for _ in range(5):
+        planner.observe_step("guesses", 1, 0.05)
+    assert planner.measured_loss("guesses")
+    # explored, not abandoned; each exploration that still loses doubles the wait
+    allowed = [planner.guesses_allowed() for _ in range(7 * EXPLORE_EVERY)]
+    explored = [i + 1 for i, a in enumerate(allowed) if a]
+    assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]
+    for _ in range(20):  # the n-gram wins again: the next exploration resets the wait
+        planner.observe_step("guesses", 4, 0.02)
+    allowed = [planner.guesses_allowed() for _ in range(2 * EXPLORE_EVERY)]
+    assert all(allowed)
+    # the draft model backs off the same way while it loses
+    planner.idle, waits, last = 0, [], 0
+    for step in range(1, 16 * EXPLORE_EVERY):
+        if planner.explore():
+            planner.drafted()
+            waits.append(step - last)
+            last = step
+    assert waits[:4] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY]
