@@ -63,21 +63,20 @@ class Running:
 
 @dataclasses.dataclass(slots=True)
 class Rate:
-    """Decayed running tokens per second of one kind of step (what a step really yielded)."""
+    """Decayed running tokens per second of one kind of step (what a step really yielded): the
+    steps' rates averaged with their seconds as weights, i.e. decayed tokens over seconds."""
 
-    tokens: float = 0.0
-    seconds: float = 0.0
-    steps: float = 0.0
-    decay: float = 0.95
+    mean: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
+    steps: float = 0.0  # decayed count of the steps seen
 
     def add(self, tokens: int, seconds: float) -> None:
-        self.tokens = self.decay * self.tokens + tokens
-        self.seconds = self.decay * self.seconds + seconds
-        self.steps = self.decay * self.steps + 1.0
+        if seconds > 0:
+            self.mean.add(tokens / seconds, seconds)
+        self.steps = self.mean.decay * self.steps + 1.0
 
     @property
     def value(self) -> float:
-        return self.tokens / self.seconds if self.seconds > 0 else 0.0
+        return self.mean.value
 
 
 MIN_STEPS = 3.0  # decayed steps of both kinds before measured rates overrule the model

@@ -144,6 +144,32 @@ def test_a_race_finishes_with_identical_texts_at_temperature_0(qtbot, window: Ma
     assert "identical" in race.verdict.text()
 
 
+@pytest.mark.parametrize("tie", [True, False])
+def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None:
+    """Greedy texts that differ: the race says where, and whether the target's own logits tie
+    there (llama.cpp's batch shapes) or not (an error to report)."""
+    from app.ui.race import RaceWindow
+    from app.worker import RaceResult, RaceRun
+    from speculative.divergence import Divergence
+    from speculative.stats import RunStats
+
+    def run(mode: str, text: str, tokens: list[int]) -> RaceRun:
+        return RaceRun(mode, text, tokens, [(0.0, text)], RunStats())
+
+    why = Divergence(2, 11, 12, {"as plain ran": 0.01, "every token alone": -0.01}, tie)
+    result = RaceResult(1, run("plain", "abc", [1, 2, 11]), run("auto", "abd", [1, 2, 12]), why)
+    race = RaceWindow(monospace=True)
+    qtbot.addWidget(race)
+    race.show_result(result, "prompt")
+    with qtbot.waitSignal(race.replay_finished, timeout=60_000):
+        race.finish_now()
+    assert "from token 2" in race.status.text()
+    if tie:
+        assert "tie" in race.status.text() and "part at a tie" in race.verdict.text()
+    else:
+        assert "NOT at a tie" in race.status.text() and "NOT identical" in race.verdict.text()
+
+
 def test_history_survives_closing_and_reopening(qtbot, data_dir: Path) -> None:
     window = _open(qtbot, data_dir)
     _reply(qtbot, window, PROMPT)
