@@ -45,6 +45,8 @@ from .verify import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
 
+PROBE = 3  # draft tokens (a chain) of an exploring step, when drafting measured a loss
+
 
 class Mode(str, enum.Enum):
     PLAIN = "plain"    # the target alone: the baseline every speedup is measured against
@@ -294,13 +296,18 @@ class Engine:
     def _maybe_draft(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
                      params: SamplingParams, rng: np.random.Generator,
                      expand: Callable[[TokenTree, list[int], int], int]) -> DraftTree:
-        """Grow the draft tree if even its first batch pays; else a lone root."""
+        """Grow the draft tree if even its first batch pays; else a lone root, or now and then
+        a probe: a short chain, to see whether drafting pays again (a full tree, verified at
+        the steep end of the cost curve, cost 6-7 target passes for 4-7 tokens here)."""
         planner = self.planner
         assert planner is not None
         pays = (planner.expand([1.0], [], 0.0, self._calibration.factor, budget.max_depth) > 0
                 and not planner.measured_loss("draft"))
-        if not pays and not planner.explore():
-            return DraftTree(TokenTree.rooted(committed[-1]), {})
+        if not pays:
+            if not planner.explore():
+                return DraftTree(TokenTree.rooted(committed[-1]), {})
+            budget = dataclasses.replace(budget, max_nodes=min(budget.max_nodes, PROBE),
+                                         max_depth=min(budget.max_depth, PROBE), max_children=1)
         planner.drafted()
         return grow_tree(drafter, committed, budget, params, rng, expand)
 

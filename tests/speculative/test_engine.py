@@ -243,6 +243,33 @@ def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
     assert sum(s.draft_calls for s in late) <= 0.2 * len(late)  # learned: mostly plain now
 
 
+def test_auto_probes_with_a_short_chain_while_drafting_measures_a_loss() -> None:
+    """The cost model says drafting pays (a flat curve), the measured step rates say it loses:
+    auto runs the target alone, and explores with a chain of at most ``PROBE`` tokens, never
+    a full tree (verified at the steep end of a real curve, one costs several passes)."""
+    from speculative.engine import PROBE
+    from speculative.planner import EXPLORE_EVERY, Planner
+
+    class Measured(Planner):  # the rates stay as planted: drafting measured 10x slower
+        def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
+            pass
+
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    planner = engine.planner = Measured(engine.verify_cost, engine.draft_cost)
+    for _ in range(10):
+        Planner.observe_step(planner, "root", 10, 0.1)
+        Planner.observe_step(planner, "draft", 1, 0.1)
+    assert planner.measured_loss("draft")
+    for prompt in PROMPTS[:5]:  # greedy: exact (the probes get n-gram guesses hung below)
+        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+    run = RunStats()
+    for i, prompt in enumerate(PROMPTS[:10]):  # sampled: the tree is the draft's alone
+        _generate(engine, prompt, 24, params=SamplingParams(1.0, 0, 1.0, i), run=run)
+    probes = [s for s in run.steps if s.draft_calls]
+    assert 1 <= len(probes) <= len(run.steps) // EXPLORE_EVERY + 1
+    assert all(s.drafted <= PROBE for s in probes)
+
+
 def test_auto_without_a_draft_model_uses_the_ngram_model() -> None:
     ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
     engine = Engine(FakeContext(TARGET), None, ngram, SpecConfig(mode=Mode.AUTO))
