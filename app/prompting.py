@@ -95,6 +95,14 @@ def build_prompt(fmt: PromptFormat, messages: Sequence[tuple[str, str]], tokeniz
     return Prompt(tokens, first - 1)
 
 
+def chat_prompt(format_name: str, messages: Sequence[tuple[str, str]], tokenize: Tokenizer,
+                n_ctx: int, max_tokens: int, continuing: bool = False) -> Prompt:
+    """The prompt the app decodes for a chat: ``build_prompt`` in the named format, leaving the
+    reply its ``max_tokens``, but never more than half the window."""
+    return build_prompt(FORMATS[format_name], messages, tokenize, n_ctx,
+                        min(max_tokens, n_ctx // 2), continuing)
+
+
 def find_stop(text: str, stops: Sequence[str]) -> int | None:
     """Index in ``text`` where the reply ends (the earliest stop string), or None."""
     hits = [i for i in (text.find(s) for s in stops) if i >= 0]

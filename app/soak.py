@@ -36,7 +36,7 @@ from typing import Any
 from PySide6.QtCore import QEventLoop, QTimer, SignalInstance
 
 from app.main import create_app, open_window
-from app.prompting import FORMATS, build_prompt
+from app.prompting import chat_prompt
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
 from models.catalog import builtin_pair
@@ -279,10 +279,9 @@ class Soak:
     def _prompt(self, key: tuple[tuple[str, str], ...]) -> list[int]:
         """The tokens the worker decoded for the conversation ``key`` (app.worker._prompt)."""
         (_, fmt), *messages = key
-        settings, ctx = self.window.settings, self.referee
-        room = min(settings.max_tokens, ctx.n_ctx // 2)
-        return build_prompt(FORMATS[fmt], messages, ctx.model.vocab.tokenize, ctx.n_ctx,
-                            room).tokens
+        ctx = self.referee
+        return chat_prompt(fmt, messages, ctx.model.vocab.tokenize, ctx.n_ctx,
+                           self.window.settings.max_tokens).tokens
 
     def _new_conversation(self) -> None:
         self.window.new_conversation()

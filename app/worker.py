@@ -27,7 +27,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.prompting import FORMATS, Prompt, build_prompt, find_stop, held_back
+from app.prompting import FORMATS, Prompt, chat_prompt, find_stop, held_back
 from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import system_info
@@ -233,7 +233,8 @@ class EngineWorker(QObject):
                 runs.append(self._race_run(engine, request, prompt, mode.value))
             engine.config = request.settings.spec()
             why = None
-            if request.settings.temperature <= 0 and runs[0].tokens != runs[1].tokens:
+            greedy = request.settings.sampling(request.seed).greedy
+            if greedy and runs[0].tokens != runs[1].tokens:
                 why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens)
                 engine.target.reset()  # the replays used its cache
             self.race_finished.emit(RaceResult(request.request_id, *runs, why))
@@ -330,9 +331,8 @@ class EngineWorker(QObject):
         assert self._pair is not None
         vocab = self._pair.target.vocab
         n_ctx = self._engine.target.ctx.n_ctx if self._engine else self._pair.target_ctx.n_ctx
-        room = min(request.settings.max_tokens, n_ctx // 2)
-        return build_prompt(FORMATS[request.format], request.messages, vocab.tokenize, n_ctx,
-                            room, request.continuing)
+        return chat_prompt(request.format, request.messages, vocab.tokenize, n_ctx,
+                           request.settings.max_tokens, request.continuing)
 
     def _steps(self, engine: Engine, request: ChatRequest, prompt: Prompt,
                run: RunStats) -> Iterator[tuple[list[int], list[str], StepStats, str | None]]:

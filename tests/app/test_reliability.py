@@ -23,7 +23,7 @@ from typing import Any
 
 import pytest
 
-from app import worker as worker_module
+from app import prompting as prompting_module
 from app.history import FINISH_REASONS, History, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
@@ -141,14 +141,14 @@ def test_a_prompt_longer_than_the_window_is_an_error_and_the_app_keeps_working(
 def test_a_conversation_that_outgrows_the_window_drops_the_oldest_turns(
         qtbot: Any, data_dir: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     built: list[tuple[tuple[tuple[str, str], ...], Prompt]] = []
-    real = worker_module.build_prompt
+    real = prompting_module.build_prompt
 
     def recording(fmt: Any, messages: Any, *args: Any, **kwargs: Any) -> Prompt:
         prompt = real(fmt, messages, *args, **kwargs)
         built.append((tuple(messages), prompt))  # on the engine thread: list.append is atomic
         return prompt
 
-    monkeypatch.setattr(worker_module, "build_prompt", recording)
+    monkeypatch.setattr(prompting_module, "build_prompt", recording)
     window = _open(qtbot, data_dir, n_ctx=128, max_tokens=16)
     _send(qtbot, window, "Hello, this is the first message of a long chat.")
     window.format_combo.setCurrentIndex(window.format_combo.findData(TRANSCRIPT.name))
