@@ -48,7 +48,8 @@ class AppSettings:
     top_k: int = 40
     top_p: float = 0.95
     max_tokens: int = 200
-    seed: int = -1                    # -1: a new seed per reply; >= 0 repeats replies exactly
+    seed: int = -1                    # -1: a new seed per reply; >= 0: the same draws (the same
+    #   text for the same tree shapes; auto and adaptive trees size them by measured timings)
     # performance
     threads: int = 0                  # 0: chosen by the thread policy (see app/worker.py)
     n_ctx: int = 1024                 # capped by the models' trained context

@@ -46,7 +46,10 @@ class SettingsDialog(QDialog):
         self.top_k = _spin(0, 50257, "keep the k most likely tokens (0 = all)")
         self.top_p = _dspin(0.01, 1.0, 0.01, "nucleus sampling mass (1 = all)")
         self.max_tokens = _spin(1, 4096, "tokens per reply at most")
-        self.seed = _spin(-1, 2**31 - 1, "-1: a new seed for every reply")
+        self.seed = _spin(-1, 2**31 - 1,
+                          "-1: a new seed for every reply. A fixed seed repeats a sampled reply "
+                          "exactly when the drafted trees have the same shapes: a fixed mode with "
+                          "adaptive tree size off (auto and adaptive sizing follow timings)")
         self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
         self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
         self.n_ctx.setSingleStep(128)
