@@ -26,6 +26,7 @@ from .sampling import (
     greedy_children,
     sample_without_replacement,
     top_k,
+    top_k_support,
 )
 from .tree import TokenTree
 
@@ -57,6 +58,28 @@ class DraftCounters:
     t_stage2: float = 0.0      # seconds in the n-gram model
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class Children:
+    """A node's most likely next tokens, best first, with their probabilities: what a greedy
+    tree needs of a node, from a drafter that can name them without a full distribution."""
+
+    tokens: np.ndarray
+    probs: np.ndarray
+    n_vocab: int
+
+
+Next = np.ndarray | Children  # a drafter's answer for one node: its logits, or its children
+
+
+def sparse_top(params: SamplingParams, width: int) -> int | None:
+    """How many best children a drafter that can name them must give each node (``Children``)
+    for trees of ``width`` children under ``params``; None: the full distribution is needed
+    (sampling without top-k)."""
+    if params.greedy:
+        return width
+    return params.top_k if params.top_k > 0 else None
+
+
 class DraftExhausted(Exception):
     """The drafter cannot decode more nodes this step (out of sequence ids): stop growing."""
 
@@ -64,12 +87,13 @@ class DraftExhausted(Exception):
 class Drafter(Protocol):
     counters: DraftCounters
 
-    def begin(self, committed: Sequence[int]) -> np.ndarray:
-        """Start a step whose root is ``committed[-1]``; returns the root's logits."""
+    def begin(self, committed: Sequence[int]) -> Next:
+        """Start a step whose root is ``committed[-1]``; returns the root's logits (or, greedy
+        only, its ``Children``)."""
         ...
 
-    def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:
-        """Logits after each path (all of whose prefixes were asked for before)."""
+    def logits(self, paths: Sequence[Path]) -> list[Next]:
+        """Logits (or children) after each path (all of whose prefixes were asked for before)."""
         ...
 
     def origin(self, path: Path) -> str:
@@ -193,18 +217,25 @@ class ModelDrafter:
 
 
 class NgramDrafter:
-    """The n-gram model drafting for the target directly (no draft model)."""
+    """The n-gram model drafting for the target directly (no draft model). With ``top`` (greedy
+    trees: their width; sampled with top-k: k), each node's answer is its ``top`` best
+    children (``KatzTrigram.top``, ~0.1 ms), not the log of its full distribution (~1 ms over
+    GPT-2's vocabulary)."""
 
-    def __init__(self, model: KatzTrigram) -> None:
+    def __init__(self, model: KatzTrigram, top: int | None = None) -> None:
         self.model = model
+        self.top = top
         self.counters = DraftCounters()
         self._committed: list[int] = []
 
-    def _logits(self, path: Path) -> np.ndarray:
+    def _logits(self, path: Path) -> Next:
+        context = [*self._committed, *path][-2:]
+        if self.top is not None:
+            return Children(*self.model.top(context, self.top), self.model.n_vocab)
         with np.errstate(divide="ignore"):
-            return np.log(self.model.probs([*self._committed, *path][-2:]))
+            return np.log(self.model.probs(context))
 
-    def begin(self, committed: Sequence[int]) -> np.ndarray:
+    def begin(self, committed: Sequence[int]) -> Next:
         self.counters = DraftCounters()
         self._committed = list(committed)
         t0 = time.perf_counter()
@@ -212,7 +243,7 @@ class NgramDrafter:
         self.counters.t_stage2 += time.perf_counter() - t0
         return out
 
-    def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:
+    def logits(self, paths: Sequence[Path]) -> list[Next]:
         t0 = time.perf_counter()
         out = [self._logits(p) for p in paths]
         self.counters.t_stage2 += time.perf_counter() - t0
@@ -282,10 +313,23 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     return _prune(tree, q, final)
 
 
-def _add_children(tree: TokenTree, u: int, logits: np.ndarray, k: int, params: SamplingParams,
+def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: SamplingParams,
                   rng: np.random.Generator, drafter: Drafter, q: dict[int, np.ndarray]) -> None:
     """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
-    if params.greedy:
+    if isinstance(logits, Children) and params.greedy:
+        tokens, slot_q = logits.tokens[:k], logits.probs[:k]
+    elif isinstance(logits, Children):
+        # top-k sampling reads only the k best tokens (all there: ``sparse_top``)
+        complete = logits.probs.sum() >= 1.0 - 1e-9  # every token with any probability
+        if params.top_k <= 0 or (logits.tokens.size < params.top_k and not complete):
+            raise ValueError("a sampled node needs its full distribution or its top-k tokens")
+        best = slice(0, params.top_k)
+        support, probs = top_k_support(logits.tokens[best], np.log(logits.probs[best]), params)
+        q[u] = np.zeros(logits.n_vocab, dtype=np.float64)
+        q[u][support] = probs
+        slot_q = probs[:k]  # best first, as top_k(q[u], k) would read them
+        tokens = support[sample_without_replacement(probs, k, rng)]
+    elif params.greedy:
         tokens, slot_q = greedy_children(logits, k)
     else:
         q[u] = distribution(logits, params)

@@ -31,6 +31,7 @@ from .drafting import (
     NgramDrafter,
     TreeBudget,
     grow_tree,
+    sparse_top,
 )
 from .errors import IncompatibleModels
 from .kvtree import COMMIT, KVTree, Parent, Slot
@@ -117,9 +118,11 @@ class Engine:
         self.planner: Planner | None = None       # Mode.AUTO's, made once costs are measured
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
         self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
-        self._calibration = Calibration()
+        # accepted tokens / predicted, by who scored the tree: the draft model or the n-gram
+        self._calibrations = {"draft": Calibration(), "ngram": Calibration()}
         self._stage2 = Calibration()  # used / proposed stage-2 guess tokens
-        self._previous: tuple[list[float], float] = ([], 0.0)  # last step's scores, draft time
+        # the last step's scores and drafting time, by who scored the tree (sampled sizing)
+        self._previous: dict[str, tuple[list[float], float]] = {}
         self._guesses: tuple = ()  # auto: (path, n-gram chain) added below the best leaf
 
     def check(self, config: SpecConfig) -> None:
@@ -151,6 +154,8 @@ class Engine:
         if (self.config.adaptive and self.config.mode is not Mode.PLAIN) or (
                 self.config.mode is Mode.AUTO):
             self.measure_cost()
+        if self.planner is not None:
+            self.planner.new_text()
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self._uses_draft(self.config):
@@ -214,12 +219,12 @@ class Engine:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
         budget = self._fit(config, committed)
-        drafter = self._drafter(config) if budget is not None else None
+        drafter = self._drafter(config, budget, params) if budget is not None else None
         try:
             if drafter is None or budget is None:
                 draft = DraftTree(TokenTree.rooted(committed[-1]), {})
             elif config.mode is Mode.AUTO and self.planner is not None:
-                draft = self._auto_tree(drafter, committed, budget, params, rng)
+                draft, drafter = self._auto_tree(drafter, committed, budget, params, rng)
             else:
                 draft = grow_tree(drafter, committed, budget, params, rng)
                 if config.adaptive and self.verify_cost is not None:
@@ -240,9 +245,9 @@ class Engine:
             drafter.commit(tuple(accepted))
             # calibrate the draft's scores on its own nodes (auto's n-gram guesses have theirs)
             guessed = self._guess_nodes(tree)
-            self._calibration.add(sum(v not in guessed for v in verdict.accepted),
-                                  sum(tree.scores[v] for v in range(1, len(tree))
-                                      if v not in guessed))
+            self._calibrations[_scorer(drafter)].add(
+                sum(v not in guessed for v in verdict.accepted),
+                sum(tree.scores[v] for v in range(1, len(tree)) if v not in guessed))
             if self.planner is not None and self._guesses:
                 self._observe_guesses(tuple(accepted))
             if drafter.counters.stage2_proposed:
@@ -265,12 +270,17 @@ class Engine:
         return [*accepted, verdict.next_token], origins, stats
 
     def _auto_tree(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
-                   params: SamplingParams, rng: np.random.Generator) -> DraftTree:
+                   params: SamplingParams, rng: np.random.Generator
+                   ) -> tuple[DraftTree, Drafter]:
         """``auto``: draft only as deep and wide as pays (``Planner.expand``), add the n-gram's
-        free guesses below the best leaf (greedy), keep the nodes worth verifying."""
+        free guesses below the best leaf (greedy), keep the nodes worth verifying. When the
+        draft model does not run, the n-gram model's own tree instead (as ``ngram`` mode grows
+        it, greedy or sampled). Greedy, that tree is grown first (its nodes' best children
+        cost ~0.1 ms each) and the draft runs only if it promises more tokens per second than
+        the n-gram's tree does at this step. Returns the tree and the drafter that scored it."""
         planner = self.planner
         assert planner is not None
-        calibration = self._calibration.factor
+        calibration = self._calibrations["draft"].factor
         t0 = time.perf_counter()
 
         def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
@@ -281,27 +291,45 @@ class Engine:
                                   time.perf_counter() - t0, calibration,
                                   budget.max_depth - depth)
 
-        if planner.wants_root():
-            self._guesses = ()
-            return DraftTree(TokenTree.rooted(committed[-1]), {})
-        if isinstance(drafter, NgramDrafter):
-            draft = grow_tree(drafter, committed, budget, params, rng)
-        else:
-            draft = self._maybe_draft(drafter, committed, budget, params, rng, expand)
         self._guesses = ()
-        if params.greedy and planner.guesses_allowed():
-            draft = self._add_guesses(draft, committed, budget)
-        return self._right_size(draft, drafter, params)
+        if planner.wants_root():
+            return DraftTree(TokenTree.rooted(committed[-1]), {}), drafter
+        if isinstance(drafter, NgramDrafter):  # no draft model
+            draft = grow_tree(drafter, committed, budget, params, rng)
+            return self._right_size(draft, drafter, params), drafter
+        # (whether to guess, like whether to draft, follows past steps and this step's
+        # distributions, never its draws: sampled, the n-gram's tree is grown only if chosen)
+        guesses = planner.guesses_allowed()
+        ngram = NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
+        ngram_tree, baseline = None, 0.0
+        if guesses and params.greedy:
+            ngram_tree = grow_tree(ngram, committed, budget, params, rng)
+            n, rate = planner.best_cut(ngram_tree.scores(), ngram.counters.t_stage2,
+                                       self._calibrations["ngram"].factor)
+            baseline = rate if n > 0 else 0.0
+        draft = self._maybe_draft(drafter, committed, budget, params, rng, expand, baseline)
+        if len(draft.tree) > 1:
+            if guesses and params.greedy:
+                draft = self._add_guesses(draft, committed, budget)
+            return self._right_size(draft, drafter, params), drafter
+        if not guesses:
+            return draft, drafter
+        if ngram_tree is None:
+            ngram_tree = grow_tree(ngram, committed, budget, params, rng)
+        return self._right_size(ngram_tree, ngram, params), ngram
 
     def _maybe_draft(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
                      params: SamplingParams, rng: np.random.Generator,
-                     expand: Callable[[TokenTree, list[int], int], int]) -> DraftTree:
-        """Grow the draft tree if even its first batch pays; else a lone root, or now and then
+                     expand: Callable[[TokenTree, list[int], int], int],
+                     baseline: float = 0.0) -> DraftTree:
+        """Grow the draft tree if even its first batch pays (against the target alone, or the
+        ``baseline`` tokens per second another tree offers); else a lone root, or now and then
         a probe: a short chain, to see whether drafting pays again (a full tree, verified at
         the steep end of the cost curve, cost 6-7 target passes for 4-7 tokens here)."""
         planner = self.planner
         assert planner is not None
-        pays = (planner.expand([1.0], [], 0.0, self._calibration.factor, budget.max_depth) > 0
+        pays = (planner.expand([1.0], [], 0.0, self._calibrations["draft"].factor,
+                               budget.max_depth, baseline) > 0
                 and not planner.measured_loss("draft"))
         if not pays:
             if not planner.explore():
@@ -359,24 +387,28 @@ class Engine:
                     ) -> DraftTree:
         """Cut the tree to the size that maximises expected tokens per second (costmodel)."""
         assert self.verify_cost is not None
+        scorer = _scorer(drafter)
         scores = draft.scores()
         t_draft = drafter.counters.t_draft + drafter.counters.t_stage2
-        # greedy: this step's own scores; sampling: the last step's (independent of this
-        # step's draws, which keeps the verified tree's shape free of them)
-        basis, t_basis = (scores, t_draft) if params.greedy else self._previous
-        self._previous = (scores, t_draft)
+        # greedy: this step's own scores; sampling: the last step's by the same scorer
+        # (independent of this step's draws, which keeps the verified tree's shape free of them)
+        basis, t_basis = (scores, t_draft) if params.greedy else self._previous.get(scorer,
+                                                                                   ([], 0.0))
+        self._previous[scorer] = (scores, t_draft)
         if not basis:
             return draft
-        n = best_size(basis, self.verify_cost, t_basis, self._calibration.factor)
+        n = best_size(basis, self.verify_cost, t_basis, self._calibrations[scorer].factor)
         return draft.best(max(n, 1))
 
-    def _drafter(self, config: SpecConfig) -> Drafter | None:
+    def _drafter(self, config: SpecConfig, budget: TreeBudget, params: SamplingParams
+                 ) -> Drafter | None:
         if config.mode is Mode.PLAIN:
             return None
         if config.mode is Mode.ORACLE:
             return self.oracle
         if config.mode is Mode.NGRAM or (config.mode is Mode.AUTO and self.draft is None):
-            return NgramDrafter(self.ngram)
+            # greedy trees need each node's best children only (cheap from the n-gram)
+            return NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
         assert self.draft is not None
         lookahead = self.ngram if config.mode in (Mode.STAGED, Mode.AUTO) else None
         if not (config.adaptive and self.draft_cost is not None and lookahead is not None):
@@ -432,6 +464,12 @@ class Engine:
         if len(committed) > len(fed):
             self.ngram.update_continued(fed, committed[len(fed):])
             self._ngram_fed = list(committed)
+
+
+def _scorer(drafter: Drafter) -> str:
+    """Who scored a tree's nodes: ``"ngram"`` (the n-gram model's probabilities) or
+    ``"draft"`` (a draft model's; the oracle's count as these too)."""
+    return "ngram" if isinstance(drafter, NgramDrafter) else "draft"
 
 
 def _ms(cost: VerifyCost) -> dict[int, float]:

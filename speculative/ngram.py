@@ -259,6 +259,10 @@ class KatzTrigram:
     _best: dict[tuple[int, int], int] = dataclasses.field(
         default_factory=dict, init=False, repr=False)  # (a, b) -> argmax; a, b = -1: no token
     _outside: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)
+    # (a, b) -> (k asked, tokens, probs) of the most likely next tokens (``top``)
+    _tops: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False)
+    _order: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)  # by P1
     _p1: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)  # (V,) P1
     _n_tokens: int = dataclasses.field(default=0, init=False, repr=False)  # N, set with _p1
 
@@ -352,6 +356,48 @@ class KatzTrigram:
             a, b = b, token
         return out
 
+    def top(self, context: Sequence[int], k: int) -> tuple[np.ndarray, np.ndarray]:
+        """The ``k`` most likely next tokens, most likely first (ties to the smaller id), and
+        their probabilities: exactly ``probs(context)``'s, from the seen continuations and the
+        unigram order, without the dense vector (a greedy tree's node needs only these).
+        Fewer than ``k`` when fewer tokens have any probability.
+        """
+        if k < 1:
+            raise ValueError(f"k must be >= 1, got {k}")
+        a, b = self._last_two(context)
+        hit = self._tops.get((a, b))
+        if hit is not None and hit[0] >= k:
+            return hit[1][:k], hit[2][:k]
+        p1 = self._unigram_probs()
+        if self._order is None:
+            self._order = np.lexsort((np.arange(self.n_vocab), -self.unigrams))
+        if b < 0:
+            tokens = self._order[:k]
+            probs = p1[tokens]
+        else:
+            level2 = self._level2(b)
+            level3 = self._level3(a, b) if a >= 0 else _BACKOFF
+            parts = [(level3.tokens, level3.probs)]
+            if level3.alpha > 0.0:
+                # seen after b, not after (a, b); S(a, b) lies inside S(b)
+                mask = self._not_in(level2.tokens, level3.tokens)
+                parts.append((level2.tokens[mask], level3.alpha * level2.probs[mask]))
+                if level2.alpha > 0.0:
+                    # unseen after b: P1's order, the first k outside S(b) and S(a, b)
+                    seen = np.zeros(self.n_vocab, dtype=bool)
+                    seen[level2.tokens] = True
+                    seen[level3.tokens] = True
+                    head = self._order[:k + level2.tokens.size + level3.tokens.size]
+                    head = head[~seen[head]][:k]
+                    parts.append((head, level3.alpha * level2.alpha * p1[head]))
+            tokens = np.concatenate([t for t, _ in parts]).astype(np.int64)
+            probs = np.concatenate([p for _, p in parts])
+            best = np.lexsort((tokens, -probs))[:k]
+            best = best[probs[best] > 0.0]
+            tokens, probs = tokens[best], probs[best]
+        self._store(self._tops, (a, b), (k, tokens, probs))
+        return tokens, probs
+
     def save(self, path: str | Path, min_count: int = 1) -> None:
         """Write the counts and discounts to a compressed ``.npz`` (no pickle).
 
@@ -405,6 +451,8 @@ class KatzTrigram:
         self._levels3.clear()
         self._best.clear()
         self._outside.clear()
+        self._tops.clear()
+        self._order = None
         self._p1 = None
 
     def _last_two(self, context: Sequence[int]) -> tuple[int, int]:

@@ -18,12 +18,18 @@ ratio beats the ratio reached so far. Two kinds of pieces:
 - free n-gram guesses appended below the best drafted leaf (greedy only): they cost only their
   share of the target pass, and the final cut (``costmodel.best_size``) keeps those that pay.
 
+A step without the draft model verifies the n-gram model's own tree instead (greedy or
+sampled, as ``ngram`` mode grows it), cut to the size that pays. Greedy, that tree is grown
+first, and the draft runs only if its first batch promises more tokens per second than the
+n-gram's tree (scored by the n-gram's probabilities, calibrated on its own steps): on
+repetitive text the free n-gram out-guesses the draft, and this is judged at every step.
+
 The model's predictions are checked against what steps really yield: the tokens per second of
-steps where the draft ran, of steps with n-gram guesses only, and of the target alone, as
-decayed running rates. A kind of step measured slower than the target alone is not taken,
-whatever the model predicts (costs it does not see: the draft's sampling, cache bookkeeping),
-and is explored again after ``EXPLORE_EVERY`` steps, since the text's difficulty drifts (the
-wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times).
+steps where the draft ran, of steps with the n-gram's tree only ("guesses"), and of the target
+alone, as decayed running rates. A kind of step measured slower than the target alone is not
+taken, whatever the model predicts (costs it does not see: the draft's sampling, cache
+bookkeeping), and is explored again after ``EXPLORE_EVERY`` steps, since the text's difficulty
+drifts (the wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times).
 
 On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and wide;
 on a CPU whose second batch token costs 0.75 of the first, it drafts only when the draft is
@@ -117,6 +123,14 @@ class Planner:
                               else EXPLORE_EVERY)
         return True
 
+    def new_text(self) -> None:
+        """A new reply begins: its text may suit the n-gram's trees better than the last
+        reply's end did, so their explorations' backoff starts over (the next one within
+        ``EXPLORE_EVERY`` steps; they cost a few ms to grow). The draft model's backoff is
+        kept: a probe costs the draft's catching up on the text since it last ran, and
+        probing at every reply cost sampled replies of 48 tokens about 5%."""
+        self.guess_every = EXPLORE_EVERY
+
     def drafted(self) -> None:
         self.idle = 0
 
@@ -127,7 +141,8 @@ class Planner:
     def measured_loss(self, kind: str) -> bool:
         """Steps of ``kind`` have really been slower than the target alone, over enough recent
         steps of both: the cost model's prediction was wrong on this machine (costs it does
-        not see: the draft's sampling, cache bookkeeping, a tree's attention mask)."""
+        not see: the draft's sampling, cache bookkeeping, a tree's attention mask). (Not
+        against each other: greedy, the n-gram's trees win exactly where they were chosen.)"""
         mine, root = self.rates[kind], self.rates["root"]
         return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
                 and mine.value < root.value)
@@ -151,15 +166,16 @@ class Planner:
         return True
 
     def expand(self, frontier: list[float], scores: list[float], t_spent: float,
-               calibration: float, levels_left: int) -> int:
+               calibration: float, levels_left: int, baseline: float = 0.0) -> int:
         """How many of the best ``frontier`` nodes (scores, best first) to expand with one
         draft batch; 0 stops drafting. ``scores`` are all drafted nodes' scores so far, and
-        drafting has taken ``t_spent`` seconds."""
+        drafting has taken ``t_spent`` seconds. A batch must yield more tokens per second
+        than the step does so far, and than ``baseline`` (what another tree offers)."""
         if self.draft is None or not frontier or levels_left < 1:
             return 0
         n, now = self.best_cut(scores, t_spent, calibration)
         p = self.confidence.value * calibration
-        best_m, best_ratio = 0, now
+        best_m, best_ratio = 0, max(now, baseline)
         reach = 0.0
         for m in range(1, len(frontier) + 1):
             reach += frontier[m - 1]

@@ -80,7 +80,25 @@ def _top_k_distribution(logits: np.ndarray, temp: float, params: SamplingParams)
     (the others' probability is exactly 0 either way). A full-vocabulary softmax per drafted
     node was most of a sampled step's bookkeeping time."""
     kth = top_k(logits, params.top_k)  # largest first, ties to the smaller id
-    z = logits[kth].astype(np.float64) / temp
+    return top_k_distribution(kth, logits[kth], logits.size, params)
+
+
+def top_k_distribution(kth: np.ndarray, logits: np.ndarray, n_vocab: int,
+                       params: SamplingParams) -> np.ndarray:
+    """``distribution`` with top-k from the k best tokens ``kth`` (largest first, ties to the
+    smaller id) and their ``logits`` alone: the rest of the vocabulary gets probability 0
+    either way, so a drafter that can name its best tokens never builds the full row."""
+    kth, kept = top_k_support(kth, logits, params)
+    p = np.zeros(n_vocab, dtype=np.float64)
+    p[kth] = kept
+    return p
+
+
+def top_k_support(kth: np.ndarray, logits: np.ndarray, params: SamplingParams
+                  ) -> tuple[np.ndarray, np.ndarray]:
+    """``top_k_distribution``'s tokens with probability (best first) and those probabilities."""
+    temp = params.temperature or 1.0
+    z = np.asarray(logits, dtype=np.float64) / temp
     e = np.exp(z - z[0])
     kept = e / e.sum()
     if params.top_p < 1.0:
@@ -88,9 +106,7 @@ def _top_k_distribution(logits: np.ndarray, temp: float, params: SamplingParams)
         cut = int(np.searchsorted(np.cumsum(kept), params.top_p * (1 - 1e-12))) + 1
         kept = kept[:cut] / kept[:cut].sum()
         kth = kth[:cut]
-    p = np.zeros(logits.size, dtype=np.float64)
-    p[kth] = kept
-    return p
+    return kth, kept
 
 
 def argmax(logits: np.ndarray) -> int:
@@ -132,22 +148,18 @@ def greedy_children(logits: np.ndarray, k: int) -> tuple[np.ndarray, np.ndarray]
 
 def sample_without_replacement(p: np.ndarray, k: int, rng: np.random.Generator) -> list[int]:
     """``k`` distinct tokens drawn one after another from ``p`` renormalised over the tokens not
-    yet drawn. Each draw is from ``p`` itself, redrawn while it repeats an earlier token: that
-    is exactly a draw from ``p`` conditioned on the new tokens (rejection sampling)."""
-    support = int(np.count_nonzero(p))
-    k = min(k, support)
-    cum = np.cumsum(p)
-    total = cum[-1]
+    yet drawn (fewer when fewer have any probability). Works on ``p``'s support only: after
+    top-k that is k tokens, not the vocabulary, and a peaked ``p`` costs no redraws."""
+    support = np.flatnonzero(p)
+    w = p[support].astype(np.float64)
     out: list[int] = []
-    tries = 0
-    while len(out) < k:
-        tries += 1
-        if tries > 64 * k:  # the drawn tokens hold nearly all the mass: renormalise instead
-            rest = p.copy()
-            rest[out] = 0.0
-            out.append(sample(rest / rest.sum(), rng))
-            continue
-        t = int(min(np.searchsorted(cum, rng.random() * total, side="right"), p.size - 1))
-        if p[t] > 0.0 and t not in out:
-            out.append(t)
+    for _ in range(min(k, support.size)):
+        cum = np.cumsum(w)
+        # side="right" never lands on a drawn (zero) weight below the total; a draw rounded
+        # up to the total takes the last token still in
+        i = int(np.searchsorted(cum, rng.random() * cum[-1], side="right"))
+        if i >= w.size or w[i] == 0.0:
+            i = int(np.flatnonzero(w)[-1])
+        out.append(int(support[i]))
+        w[i] = 0.0
     return out

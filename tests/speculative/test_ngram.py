@@ -235,6 +235,46 @@ def test_greedy_equals_chained_argmax_on_random_corpora() -> None:
             model.update([int(t) for t in rng.integers(0, n_vocab, int(rng.integers(0, 60)))])
 
 
+def _dense_top(model: KatzTrigram, context: list[int], k: int) -> tuple[list[int], np.ndarray]:
+    p = model.probs(context)
+    order = np.lexsort((np.arange(p.size), -p))[:k]
+    order = order[p[order] > 0]
+    return order.tolist(), p[order]
+
+
+def test_top_equals_the_dense_distributions_best_on_random_corpora() -> None:
+    rng = np.random.default_rng(1)
+    for trial in range(40):
+        n_vocab = int(rng.integers(2, 26))
+        corpus = random_corpus(rng, n_vocab, int(rng.integers(0, 400)),
+                               n_used=int(rng.integers(1, n_vocab + 1)))
+        model = KatzTrigram.build(corpus, n_vocab, k=int(rng.integers(0, 6)))
+        for step in range(2):
+            for _ in range(15):
+                context = [int(t) for t in rng.integers(0, n_vocab, int(rng.integers(0, 4)))]
+                for k in (3, 1, n_vocab, 6):  # asked for fewer after more: from the cache
+                    tokens, probs = model.top(context, k)
+                    want, want_p = _dense_top(model, context, k)
+                    assert tokens.tolist() == want, f"trial {trial} step {step} {context} {k}"
+                    assert np.allclose(probs, want_p, rtol=1e-12, atol=0.0)
+            model.update([int(t) for t in rng.integers(0, n_vocab, int(rng.integers(0, 60)))])
+    with pytest.raises(ValueError):
+        model.top([0], 0)
+
+
+def test_top_on_the_built_in_model_matches_its_distributions() -> None:
+    from models.catalog import BUILTIN_NGRAM
+    model = KatzTrigram.load(BUILTIN_NGRAM)
+    rng = np.random.default_rng(2)
+    contexts = [[], [198], [220, 220], [25, 198], [13, 198], [198, 220], [11, 220]]
+    contexts += [[int(t) for t in rng.integers(0, 2000, 2)] for _ in range(20)]
+    for context in contexts:
+        tokens, probs = model.top(context, 8)
+        want, want_p = _dense_top(model, context, 8)
+        assert tokens.tolist() == want, context
+        assert np.allclose(probs, want_p, rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.parametrize(("corpus", "context"), [([[0, 1], [0]], [0]), ([[1, 0], [1]], [1])])
 def test_greedy_breaks_ties_between_seen_and_unseen_by_smallest_id(
         corpus: Corpus, context: list[int]) -> None:

@@ -201,10 +201,11 @@ def test_sample_without_replacement_order_is_the_sequential_process() -> None:
     assert np.allclose(seconds_after_0 / seconds_after_0.sum(), cond, atol=0.015)
 
 
-@pytest.mark.parametrize("mode", [Mode.STAGED, Mode.AUTO])
+@pytest.mark.parametrize("mode", [Mode.STAGED, Mode.AUTO, Mode.NGRAM])
 def test_engine_sampling_end_to_end_matches_the_target(mode: Mode) -> None:
     """The same check through the engine, its KV bookkeeping and the staged drafter, or auto's
-    cost-driven drafting (fewer samples: the fake contexts are slow)."""
+    cost-driven drafting, or the n-gram's trees from each node's top-k children (fewer
+    samples: the fake contexts are slow)."""
     params_base = {"temperature": 1.0, "top_k": 6}
     draft_table = noisy(TARGET, seed=3, noise=0.7).astype(np.float32)
     ngram = KatzTrigram.build([[3, 5, 1, 2, 3, 5, 1, 2]], V)

@@ -76,3 +76,42 @@ def test_level_by_level_growth_finds_the_best_first_tree() -> None:
         got = {tree.path(i) for i in range(1, len(tree))}
         assert got == brute_force_best(drafter, budget)
         assert len(drafter.asked) <= budget.max_depth - 1  # one draft batch per level
+
+
+def test_ngram_trees_from_best_children_equal_those_from_full_distributions() -> None:
+    """``NgramDrafter(top=...)`` names each node's best children instead of its full row: the
+    greedy tree is the same tree, and a sampled node's distribution q is the same q."""
+    from speculative.drafting import NgramDrafter, sparse_top
+    from speculative.ngram import KatzTrigram
+
+    rng = np.random.default_rng(3)
+    corpus = [list(rng.integers(0, 30, 300)), [1, 2, 3, 4, 5] * 20]
+    model = KatzTrigram.build(corpus, 40)  # 10 tokens never seen: the unigram tail matters
+    budget = TreeBudget(max_nodes=12, max_depth=4, max_children=3)
+    for committed in ([1, 2], [7], [3, 4, 5], [39, 38]):
+        dense = grow_tree(NgramDrafter(model), committed, budget, SamplingParams(),
+                          np.random.default_rng(0)).tree
+        sparse = grow_tree(NgramDrafter(model, sparse_top(SamplingParams(), 3)), committed,
+                           budget, SamplingParams(), np.random.default_rng(0)).tree
+        assert [sparse.path(i) for i in range(len(sparse))] == [
+            dense.path(i) for i in range(len(dense))]
+        assert np.allclose(sparse.scores, dense.scores, rtol=1e-6)  # the dense path is fp32
+        for params in (SamplingParams(0.8, 5, 1.0), SamplingParams(1.3, 8, 0.9)):
+            full = grow_tree(NgramDrafter(model), committed, budget, params,
+                             np.random.default_rng(1))
+            best = grow_tree(NgramDrafter(model, sparse_top(params, 3)), committed, budget,
+                             params, np.random.default_rng(1))
+            assert np.allclose(best.q[0], full.q[0], rtol=1e-9, atol=1e-15)  # the root's q
+            assert np.isclose(best.q[0].sum(), 1.0)
+            for tree in (full.tree, best.tree):  # children: distinct tokens q gives mass to
+                for u in range(len(tree)):
+                    kids = [tree.tokens[c] for c in tree.children[u]]
+                    assert len(set(kids)) == len(kids)
+            assert all(best.q[0][best.tree.tokens[c]] > 0 for c in best.tree.children[0])
+    try:
+        grow_tree(NgramDrafter(model, 3), [1, 2], budget, SamplingParams(1.0, 0, 1.0),
+                  np.random.default_rng(0))
+    except ValueError as exc:
+        assert "full distribution" in str(exc)
+    else:
+        raise AssertionError("sampling without top-k from best children must refuse")
