@@ -127,6 +127,7 @@ class RaceResult:
     speculative: RaceRun
     # greedy texts that differ: where, and whether the target's own logits tie there
     divergence: Divergence | None = None
+    temperature: float = 0.0  # above 0 the two runs are two draws: their texts may differ
 
     @property
     def identical(self) -> bool:
@@ -237,7 +238,8 @@ class EngineWorker(QObject):
             if greedy and runs[0].tokens != runs[1].tokens:
                 why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens)
                 engine.target.reset()  # the replays used its cache
-            self.race_finished.emit(RaceResult(request.request_id, *runs, why))
+            self.race_finished.emit(RaceResult(request.request_id, *runs, why,
+                                               request.settings.temperature))
         except _Cancelled:
             self.failed.emit(request.request_id, "race stopped")
         except Exception as exc:

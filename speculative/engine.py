@@ -226,7 +226,12 @@ class Engine:
             elif config.mode is Mode.AUTO and self.planner is not None:
                 draft, drafter = self._auto_tree(drafter, committed, budget, params, rng)
             else:
-                draft = grow_tree(drafter, committed, budget, params, rng)
+                # tree and staged, adaptive: a draft batch only where it pays (Planner.expand);
+                # a chain keeps its length (standard speculative decoding, the baseline)
+                grow = (config.adaptive and self.planner is not None
+                        and config.mode in (Mode.TREE, Mode.STAGED))
+                expand = self._expander(budget) if grow else None
+                draft = grow_tree(drafter, committed, budget, params, rng, expand)
                 if config.adaptive and self.verify_cost is not None:
                     draft = self._right_size(draft, drafter, params)
             t1 = time.perf_counter()
@@ -280,17 +285,7 @@ class Engine:
         the n-gram's tree does at this step. Returns the tree and the drafter that scored it."""
         planner = self.planner
         assert planner is not None
-        calibration = self._calibrations["draft"].factor
-        t0 = time.perf_counter()
-
-        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
-            # the draft's confidence in each new node's best child, for the next decisions
-            planner.observe([tree.scores[v] / tree.scores[tree.parents[v]] for v in frontier
-                             if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
-            return planner.expand([tree.scores[v] for v in frontier], tree.scores[1:],
-                                  time.perf_counter() - t0, calibration,
-                                  budget.max_depth - depth)
-
+        expand = self._expander(budget)
         self._guesses = ()
         if planner.wants_root():
             return DraftTree(TokenTree.rooted(committed[-1]), {}), drafter
@@ -317,6 +312,24 @@ class Engine:
         if ngram_tree is None:
             ngram_tree = grow_tree(ngram, committed, budget, params, rng)
         return self._right_size(ngram_tree, ngram, params), ngram
+
+    def _expander(self, budget: TreeBudget) -> Callable[[TokenTree, list[int], int], int]:
+        """``grow_tree``'s ``expand``: how many frontier nodes the next draft batch takes, as
+        many as pay on the measured cost curves (``Planner.expand``); 0 stops growing."""
+        planner = self.planner
+        assert planner is not None
+        calibration = self._calibrations["draft"].factor
+        t0 = time.perf_counter()
+
+        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
+            # the draft's confidence in each new node's best child, for the next decisions
+            planner.observe([tree.scores[v] / tree.scores[tree.parents[v]] for v in frontier
+                             if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
+            return planner.expand([tree.scores[v] for v in frontier], tree.scores[1:],
+                                  time.perf_counter() - t0, calibration,
+                                  budget.max_depth - depth)
+
+        return expand
 
     def _maybe_draft(self, drafter: Drafter, committed: list[int], budget: TreeBudget,
                      params: SamplingParams, rng: np.random.Generator,

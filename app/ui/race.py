@@ -144,7 +144,11 @@ class RaceWindow(QDialog):
                                                  result.speculative.mode))
         same = "identical texts" if result.identical else "the texts differ"
         why = result.divergence
-        if why is not None and why.tie:
+        if result.temperature > 0 and not result.identical:
+            same += (f": sampled at temperature {result.temperature:g}, each run is its own "
+                     f"draw, as two replies would be (speculation keeps every token's "
+                     f"distribution the target's; at temperature 0 the texts must match)")
+        elif why is not None and why.tie:
             same += (f" from token {why.index}, where the model's two best tokens tie (llama.cpp "
                      f"rounds a batch of tokens a little differently from one token)")
         elif why is not None:
@@ -175,7 +179,8 @@ class RaceWindow(QDialog):
             self._timer.stop()
             r = self.result
             same = "identical" if r.identical else (
-                "part at a tie" if r.divergence is not None and r.divergence.tie
+                "differ (two samples)" if r.temperature > 0
+                else "part at a tie" if r.divergence is not None and r.divergence.tie
                 else "NOT identical")
             self.verdict.setText(f"{r.speedup:.2f}× faster · texts {same}")
             self.replay.setEnabled(True)

@@ -170,6 +170,25 @@ def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None
         assert "NOT at a tie" in race.status.text() and "NOT identical" in race.verdict.text()
 
 
+def test_a_sampled_race_says_its_texts_are_two_draws(qtbot) -> None:
+    from app.ui.race import RaceWindow
+    from app.worker import RaceResult, RaceRun
+    from speculative.stats import RunStats
+
+    def run(mode: str, text: str, tokens: list[int]) -> RaceRun:
+        return RaceRun(mode, text, tokens, [(0.0, text)], RunStats())
+
+    result = RaceResult(1, run("plain", "abc", [1, 2, 11]), run("auto", "abd", [1, 2, 12]),
+                        None, temperature=0.7)
+    race = RaceWindow(monospace=True)
+    qtbot.addWidget(race)
+    race.show_result(result, "prompt")
+    with qtbot.waitSignal(race.replay_finished, timeout=60_000):
+        race.finish_now()
+    assert "temperature 0.7" in race.status.text() and "draw" in race.status.text()
+    assert "two samples" in race.verdict.text() and "NOT" not in race.verdict.text()
+
+
 def test_history_survives_closing_and_reopening(qtbot, data_dir: Path) -> None:
     window = _open(qtbot, data_dir)
     _reply(qtbot, window, PROMPT)
