@@ -154,8 +154,6 @@ class Engine:
         if (self.config.adaptive and self.config.mode is not Mode.PLAIN) or (
                 self.config.mode is Mode.AUTO):
             self.measure_cost()
-        if self.planner is not None:
-            self.planner.new_text()
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self._uses_draft(self.config):
@@ -293,8 +291,10 @@ class Engine:
             draft = grow_tree(drafter, committed, budget, params, rng)
             return self._right_size(draft, drafter, params), drafter
         # (whether to guess, like whether to draft, follows past steps and this step's
-        # distributions, never its draws: sampled, the n-gram's tree is grown only if chosen)
-        guesses = planner.guesses_allowed()
+        # distributions, never its draws: sampled, the n-gram's tree is grown only if chosen).
+        # Greedy, the n-gram's tree is judged on this step's own scores, so always grown (a few
+        # ms); sampled, it is sized by the last step's, so the measured rates gate it.
+        guesses = params.greedy or planner.guesses_allowed()
         ngram = NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
         ngram_tree, baseline = None, 0.0
         if guesses and params.greedy:
@@ -309,7 +309,10 @@ class Engine:
             return self._right_size(draft, drafter, params), drafter
         if not guesses:
             return draft, drafter
-        if ngram_tree is None:
+        if ngram_tree is None:  # sampled: sized by the last step's scores, so an exploration
+            # while the n-gram's trees measure a loss is a probe (see _maybe_draft)
+            if planner.measured_loss("guesses"):
+                budget = _probe(budget)
             ngram_tree = grow_tree(ngram, committed, budget, params, rng)
         return self._right_size(ngram_tree, ngram, params), ngram
 
@@ -347,8 +350,7 @@ class Engine:
         if not pays:
             if not planner.explore():
                 return DraftTree(TokenTree.rooted(committed[-1]), {})
-            budget = dataclasses.replace(budget, max_nodes=min(budget.max_nodes, PROBE),
-                                         max_depth=min(budget.max_depth, PROBE), max_children=1)
+            budget = _probe(budget)
         planner.drafted()
         return grow_tree(drafter, committed, budget, params, rng, expand)
 
@@ -477,6 +479,12 @@ class Engine:
         if len(committed) > len(fed):
             self.ngram.update_continued(fed, committed[len(fed):])
             self._ngram_fed = list(committed)
+
+
+def _probe(budget: TreeBudget) -> TreeBudget:
+    """An exploration's tree: a chain of at most ``PROBE`` tokens."""
+    return dataclasses.replace(budget, max_nodes=min(budget.max_nodes, PROBE),
+                               max_depth=min(budget.max_depth, PROBE), max_children=1)
 
 
 def _scorer(drafter: Drafter) -> str:
