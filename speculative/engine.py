@@ -154,6 +154,8 @@ class Engine:
         if (self.config.adaptive and self.config.mode is not Mode.PLAIN) or (
                 self.config.mode is Mode.AUTO):
             self.measure_cost()
+        if self.planner is not None:
+            self.planner.new_text()
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self._uses_draft(self.config):
@@ -292,9 +294,9 @@ class Engine:
             return self._right_size(draft, drafter, params), drafter
         # (whether to guess, like whether to draft, follows past steps and this step's
         # distributions, never its draws: sampled, the n-gram's tree is grown only if chosen).
-        # Greedy, the n-gram's tree is judged on this step's own scores, so always grown (a few
-        # ms); sampled, it is sized by the last step's, so the measured rates gate it.
-        guesses = params.greedy or planner.guesses_allowed()
+        # The measured rates gate the n-gram's trees even greedy, where they are judged on the
+        # step's own scores: on code those promised more than they gave (auto 0.82x, as ngram)
+        guesses = planner.guesses_allowed()
         ngram = NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
         ngram_tree, baseline = None, 0.0
         if guesses and params.greedy:

@@ -29,8 +29,8 @@ steps where the draft ran, of steps with the n-gram's tree only ("guesses"), and
 alone, as decayed running rates. A kind of step measured slower than the target alone is not
 taken, whatever the model predicts (costs it does not see: the draft's sampling, cache
 bookkeeping), and is explored again after ``EXPLORE_EVERY`` steps, since the text's difficulty
-drifts (the wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times). Greedy,
-the n-gram's tree needs no such gate: it is judged on the step's own scores.
+drifts (the wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times; the
+n-gram's wait starts over with each reply).
 
 On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and wide;
 on a CPU whose second batch token costs 0.75 of the first, it drafts only when the draft is
@@ -123,6 +123,14 @@ class Planner:
         self.explore_every = (min(self.explore_every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost
                               else EXPLORE_EVERY)
         return True
+
+    def new_text(self) -> None:
+        """A new reply begins: its text may suit the n-gram's trees better than the last
+        reply's end did, so their explorations' backoff starts over (the next one within
+        ``EXPLORE_EVERY`` steps: a few ms to grow greedy, a probe sampled). The draft model's
+        backoff is kept: its probe costs the draft's catching up on the text since it last
+        ran, and probing at every reply cost sampled replies of 48 tokens about 5%."""
+        self.guess_every = EXPLORE_EVERY
 
     def drafted(self) -> None:
         self.idle = 0
