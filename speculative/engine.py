@@ -155,7 +155,7 @@ class Engine:
                 self.config.mode is Mode.AUTO):
             self.measure_cost()
         if self.planner is not None:
-            self.planner.new_text()
+            self.planner.new_text(params.greedy)
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self._uses_draft(self.config):

@@ -124,13 +124,16 @@ class Planner:
                               else EXPLORE_EVERY)
         return True
 
-    def new_text(self) -> None:
+    def new_text(self, greedy: bool) -> None:
         """A new reply begins: its text may suit the n-gram's trees better than the last
-        reply's end did, so their explorations' backoff starts over (the next one within
-        ``EXPLORE_EVERY`` steps: a few ms to grow greedy, a probe sampled). The draft model's
-        backoff is kept: its probe costs the draft's catching up on the text since it last
-        ran, and probing at every reply cost sampled replies of 48 tokens about 5%."""
+        reply's end did, so their backoff starts over, and greedy (where the tree costs a few
+        ms and is sized by the step's own scores) they are explored at the reply's first step.
+        Sampled, an exploration is a probe that mostly loses, and the draft model's probe
+        costs its catching up on the text since it last ran: probing either at every reply
+        cost sampled replies of 48 tokens about 5%."""
         self.guess_every = EXPLORE_EVERY
+        if greedy:
+            self.guess_idle = EXPLORE_EVERY - 1
 
     def drafted(self) -> None:
         self.idle = 0
