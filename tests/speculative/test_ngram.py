@@ -259,6 +259,19 @@ def test_top_equals_the_dense_distributions_best_on_random_corpora() -> None:
         model.top([0], 0)
 
 
+def test_top_on_the_built_in_model_matches_its_distributions() -> None:
+    from models.catalog import BUILTIN_NGRAM
+    model = KatzTrigram.load(BUILTIN_NGRAM)
+    rng = np.random.default_rng(2)
+    contexts = [[], [198], [220, 220], [25, 198], [13, 198], [198, 220], [11, 220]]
+    contexts += [[int(t) for t in rng.integers(0, 2000, 2)] for _ in range(20)]
+    for context in contexts:
+        tokens, probs = model.top(context, 8)
+        want, want_p = _dense_top(model, context, 8)
+        assert tokens.tolist() == want, context
+        assert np.allclose(probs, want_p, rtol=1e-12, atol=0.0)
+
+
 @pytest.mark.parametrize(("corpus", "context"), [([[0, 1], [0]], [0]), ([[1, 0], [1]], [1])])
 def test_greedy_breaks_ties_between_seen_and_unseen_by_smallest_id(
         corpus: Corpus, context: list[int]) -> None:
