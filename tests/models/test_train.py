@@ -23,12 +23,14 @@ from models.train import (  # noqa: E402
     frequent_tokens,
     lr_at,
     param_counts,
+    state_from_gguf,
     train,
 )
 
 TINY = Gpt2Config(n_ctx=64, n_embd=64, n_layer=2, n_head=2)  # Q8_0 needs rows of 32k
+# bf16 on every host (emulated where the CPU lacks it): these runs' numbers do not follow the host
 STEPS = TrainConfig(steps=30, batch_size=4, lr=1e-2, warmup=5, compile=False, eval_every=0,
-                    threads=2)
+                    threads=2, bf16=True)
 
 
 @pytest.fixture(scope="module")
@@ -88,6 +90,21 @@ def test_gguf_computes_the_torch_function(tokens: np.ndarray, vocab: Vocab,
     q8 = check_gguf(model, export(model, tmp_path / "m-q8_0.gguf", "q8_0", vocab), seqs)
     assert q8["argmax_agree"] > 0.9
     assert q8["llama_loss"] == pytest.approx(q8["torch_loss"], abs=0.05)
+
+
+def test_a_gguf_file_imports_as_the_checkpoint_it_was_written_from(tokens: np.ndarray,
+                                                                    vocab: Vocab,
+                                                                    tmp_path: Path) -> None:
+    model, _ = trained(tokens, dataclasses.replace(STEPS, steps=5))
+    state = state_from_gguf(export(model, tmp_path / "m-f32.gguf", "f32", vocab))
+    assert state["model_config"] == dataclasses.asdict(TINY)
+    mine = model.state_dict()
+    assert set(state["model"]) == set(mine)
+    for name, value in mine.items():  # the compact rows and their shared row come back too
+        assert torch.equal(state["model"][name], value), name
+    copy = build(TINY, 1, seen=np.arange(TINY.n_vocab))
+    with pytest.raises(RuntimeError):  # a full table is another row layout
+        copy.load_state_dict(state["model"])
 
 
 def test_draft_has_ten_times_fewer_non_embedding_parameters() -> None:
