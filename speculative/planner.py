@@ -16,7 +16,9 @@ ratio beats the ratio reached so far. Two kinds of pieces:
   alone can look unprofitable while a run of confident levels pays, so the test looks ahead a
   few levels (``LOOKAHEAD``) and takes the batch if any horizon pays;
 - free n-gram guesses appended below the best drafted leaf (greedy only): they cost only their
-  share of the target pass, and the final cut (``costmodel.best_size``) keeps those that pay.
+  share of the target pass, and the final cut (``costmodel.best_size``) keeps those that pay;
+  likewise greedy, the n-gram's own tree is merged into the draft's (``Engine._merge``), its
+  branches beside the draft's choices scored by their own measured acceptance.
 
 A step without the draft model verifies the n-gram model's own tree instead (greedy or
 sampled, as ``ngram`` mode grows it), cut to the size that pays. Greedy, that tree is grown

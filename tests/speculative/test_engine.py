@@ -278,6 +278,59 @@ def test_auto_probes_with_a_short_chain_while_drafting_measures_a_loss() -> None
     assert all(s.drafted <= PROBE for s in probes)
 
 
+def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
+    from speculative.drafting import DraftCounters, DraftTree, NgramDrafter
+    from speculative.tree import TokenTree
+
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    engine._calibrations["draft"].add(3, 4.0)     # the draft: 0.75 of what it predicts
+    engine._calibrations["branches"].add(1, 4.0)  # n-gram branches beside it: 0.25
+    draft = TokenTree.rooted(7)
+    a = draft.add(0, 1, 0.8, "draft")
+    draft.add(a, 2, 0.6, "draft")
+    draft.add(0, 3, 0.1, "draft")
+    ngram = TokenTree.rooted(7)
+    b = ngram.add(0, 1, 0.5, "ngram")   # the draft's path too: keeps the draft's estimate
+    ngram.add(b, 4, 0.4, "ngram")       # a branch beside the draft's 2
+    ngram.add(0, 5, 0.3, "ngram")       # a branch beside the draft's 1 and 3
+
+    class Counted:
+        counters = DraftCounters()
+
+    merged = engine._merge(DraftTree(draft, {}), DraftTree(ngram, {}), Counted(),
+                           NgramDrafter(engine.ngram), TreeBudget(24, 8, 3)).tree
+    estimates = {merged.path(v): merged.scores[v] for v in range(1, len(merged))}
+    assert estimates == pytest.approx({(1,): 0.6, (1, 2): 0.45, (3,): 0.075,
+                                       (1, 4): 0.1, (5,): 0.075})
+    assert {merged.origins[v] for v in range(1, len(merged))
+            if merged.path(v) in ((1, 4), (5,))} == {"ngram"}
+    capped = engine._merge(DraftTree(draft, {}), DraftTree(ngram, {}), Counted(),
+                           NgramDrafter(engine.ngram), TreeBudget(2, 8, 3)).tree
+    assert len(capped) - 1 == 2  # never more nodes than the target's batch was sized for
+
+
+def test_auto_greedy_verifies_ngram_branches_beside_the_draft_and_stays_exact() -> None:
+    """A flat cost curve (a GPU), a noisy draft and an n-gram model that knows the target's
+    text: the merged trees' n-gram branches are verified, some accepted, every reply exact.
+    (The fakes' step rates are not measured: their Python overhead would make every kind of
+    drafting lose to the target alone, see Planner.measured_loss.)"""
+    from speculative.planner import Planner
+
+    class Unmeasured(Planner):
+        def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
+            pass
+
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]  # knows some of the text
+    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    engine.planner = Unmeasured(engine.verify_cost, engine.draft_cost)
+    for prompt in PROMPTS[:10]:
+        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+    branches = engine._calibrations["branches"]
+    assert branches.predicted > 0 and branches.accepted > 0
+
+
 def test_auto_without_a_draft_model_uses_the_ngram_model() -> None:
     ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
     engine = Engine(FakeContext(TARGET), None, ngram, SpecConfig(mode=Mode.AUTO))
