@@ -8,7 +8,13 @@ rather than good: `KatzTrigram.greedy` answers from per-context caches without d
 Definitions (V = n_vocab, c(.) = n-gram counts, d_r = `good_turing_discounts` with threshold k):
 
 - Unigram, add-delta smoothed (delta = `UNIGRAM_DELTA`) so that every token has P1 > 0:
-  ``P1(w) = (c(w) + delta) / (N + delta * V)``, ``N = sum_w c(w)``.
+  ``P1(w) = (c(w) + delta) / (N + delta * V)``, ``N = sum_w c(w)``, with the unigram counts as
+  of the last refresh: updates (the conversation) refresh P1 once the tokens added since reach
+  ``P1_REFRESH`` of N. Every level above reads P1, so a refresh drops every cached answer and
+  re-sorts the vocabulary (~12 ms per 16-node tree afterwards at V = 50257, against 0.5 ms
+  warm); between refreshes an update drops only the answers of the histories it changed. With
+  the built-in model's 23M tokens that is never within a conversation, and the conversation's
+  tokens would move P1 by less than 0.1%; small models refresh at every update, exactly.
 - A history ``h`` is ``b`` (bigram level) or ``(a, b)`` (trigram level); ``h'`` drops its first
   token (``b -> ()``, ``(a, b) -> b``) and ``P_lower`` is the level below (P1, resp. P2).
   ``T(h) = c(h)`` is the count of the history itself (the textbook relative frequency
@@ -49,6 +55,7 @@ log = logging.getLogger(__name__)
 UNIGRAM_DELTA = 1.0  # add-one: the unigram level must give every token some mass
 MAX_VOCAB = 1 << 21  # trigram keys (a * V + b) * V + c must fit in an int64
 _CACHE_LIMIT = 200_000  # per-context cache entries before the caches are dropped
+P1_REFRESH = 1e-3  # refresh P1 once the tokens added since reach this share of its N
 _FORMAT = 1  # version of the .npz layout written by `save`, whose arrays are:
 _ARRAYS = ("format", "n_vocab", "k", "discounts2", "discounts3", "unigrams", "bigram_a",
            "bigram_b", "bigram_count", "trigram_a", "trigram_b", "trigram_c", "trigram_count")
@@ -241,9 +248,11 @@ def _pick(best: tuple[int, float], token: int, value: float) -> tuple[int, float
 class KatzTrigram:
     """Katz-backoff trigram model over token ids in [0, n_vocab); see the module docstring.
 
-    Make one with `build` or `load`. Per-history levels and greedy answers are cached; `update`
-    drops them all (a new unigram changes N, hence every alpha), so the first query of each
-    history after an update costs O(|S(b)| + V) numpy work again (~20 us at V = 50257).
+    Make one with `build` or `load`. Per-history levels and greedy answers are cached, by the
+    history's last token ``b`` (every answer for a history ``(a, b)`` reads the level of ``b``);
+    `update` drops the answers of the histories whose counts it changed, or all of them when it
+    refreshes P1 (see the module docstring), and the first query of such a history costs
+    O(|S(b)| + V) numpy work again (~20 us at V = 50257).
     """
 
     n_vocab: int
@@ -254,17 +263,20 @@ class KatzTrigram:
     bigrams: NgramCounts = dataclasses.field(repr=False)
     trigrams: NgramCounts = dataclasses.field(repr=False)
     _levels2: dict[int, _Level] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    _levels3: dict[tuple[int, int], _Level] = dataclasses.field(
+    # caches of answers by history (a, b), stored as [b][a] (see _drop); a, b = -1: no token
+    _levels3: dict[int, dict[int, _Level]] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
-    _best: dict[tuple[int, int], int] = dataclasses.field(
-        default_factory=dict, init=False, repr=False)  # (a, b) -> argmax; a, b = -1: no token
+    _best: dict[int, dict[int, int]] = dataclasses.field(
+        default_factory=dict, init=False, repr=False)  # argmax
     _outside: dict[int, int] = dataclasses.field(default_factory=dict, init=False, repr=False)
-    # (a, b) -> (k asked, tokens, probs) of the most likely next tokens (``top``)
-    _tops: dict[tuple[int, int], tuple[int, np.ndarray, np.ndarray]] = dataclasses.field(
+    # (k asked, tokens, probs) of the most likely next tokens (``top``)
+    _tops: dict[int, dict[int, tuple[int, np.ndarray, np.ndarray]]] = dataclasses.field(
         default_factory=dict, init=False, repr=False)
     _order: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)  # by P1
     _p1: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)  # (V,) P1
     _n_tokens: int = dataclasses.field(default=0, init=False, repr=False)  # N, set with _p1
+    _p1_counts: np.ndarray | None = dataclasses.field(default=None, init=False, repr=False)
+    _added: int = dataclasses.field(default=0, init=False, repr=False)  # tokens since P1 was set
 
     @classmethod
     def build(cls, sequences: Iterable[Sequence[int]], n_vocab: int, k: int = 5) -> KatzTrigram:
@@ -310,13 +322,19 @@ class KatzTrigram:
         arr = _as_tokens(tokens, self.n_vocab)  # validate everything before changing anything
         if arr.size == 0:
             return
-        self.unigrams += np.bincount(arr, minlength=self.n_vocab)
+        np.add.at(self.unigrams, arr, 1)
         bigrams, trigrams = _ngram_keys(np.concatenate([before, arr]), self.n_vocab)
         skip = max(before.size - 1, 0)  # bigrams that end inside `previous`
         for counts, keys in ((self.bigrams, bigrams[skip:]), (self.trigrams, trigrams)):
             unique, n = np.unique(keys, return_counts=True)
             counts.add(unique, n.astype(np.int64))
-        self._invalidate()
+        self._added += int(arr.size)
+        if self._p1 is None or self._added >= P1_REFRESH * self._n_tokens:
+            self._invalidate()
+        else:
+            # the histories whose counts changed: b = the last token before and each new token
+            # (T(b) and S(b)), and every (a, b) with such a b (T(a, b), S(a, b) and level2(b))
+            self._drop({*before[-1:].tolist(), *arr.tolist()})
 
     def probs(self, context: Sequence[int]) -> np.ndarray:
         """P(next | last two tokens of ``context``): float64 (n_vocab,), sums to 1.
@@ -349,7 +367,7 @@ class KatzTrigram:
         out: list[int] = []
         best = self._best
         for _ in range(n):
-            token = best.get((a, b))
+            token = best.get(b, {}).get(a)
             if token is None:
                 token = self._argmax(a, b)
             out.append(token)
@@ -365,12 +383,12 @@ class KatzTrigram:
         if k < 1:
             raise ValueError(f"k must be >= 1, got {k}")
         a, b = self._last_two(context)
-        hit = self._tops.get((a, b))
+        hit = self._tops.get(b, {}).get(a)
         if hit is not None and hit[0] >= k:
             return hit[1][:k], hit[2][:k]
         p1 = self._unigram_probs()
         if self._order is None:
-            self._order = np.lexsort((np.arange(self.n_vocab), -self.unigrams))
+            self._order = np.lexsort((np.arange(self.n_vocab), -self._p1_counts))
         if b < 0:
             tokens = self._order[:k]
             probs = p1[tokens]
@@ -389,13 +407,17 @@ class KatzTrigram:
                     seen[level3.tokens] = True
                     head = self._order[:k + level2.tokens.size + level3.tokens.size]
                     head = head[~seen[head]][:k]
-                    parts.append((head, level3.alpha * level2.alpha * p1[head]))
+                    parts.append((head, (level2.alpha * p1[head]) * level3.alpha))  # as probs
             tokens = np.concatenate([t for t, _ in parts]).astype(np.int64)
             probs = np.concatenate([p for _, p in parts])
+            if tokens.size > 2 * k:  # S(b) can hold thousands: sort only those that can win
+                kth = np.partition(probs, tokens.size - k)[tokens.size - k]  # k-th largest
+                keep = probs >= kth  # ties at the k-th value all stay (then ids decide)
+                tokens, probs = tokens[keep], probs[keep]
             best = np.lexsort((tokens, -probs))[:k]
             best = best[probs[best] > 0.0]
             tokens, probs = tokens[best], probs[best]
-        self._store(self._tops, (a, b), (k, tokens, probs))
+        self._store2(self._tops, a, b, (k, tokens, probs))
         return tokens, probs
 
     def save(self, path: str | Path, min_count: int = 1) -> None:
@@ -447,6 +469,7 @@ class KatzTrigram:
     # -- levels -------------------------------------------------------------------------------
 
     def _invalidate(self) -> None:
+        """Drop every cached answer and P1 (its next use takes the counts as they are now)."""
         self._levels2.clear()
         self._levels3.clear()
         self._best.clear()
@@ -454,6 +477,14 @@ class KatzTrigram:
         self._tops.clear()
         self._order = None
         self._p1 = None
+        self._p1_counts = None
+        self._added = 0
+
+    def _drop(self, histories: set[int]) -> None:
+        """Drop the cached answers of the histories ``b`` and ``(a, b)`` for b in ``histories``."""
+        for b in histories:
+            for cache in (self._levels2, self._levels3, self._best, self._outside, self._tops):
+                cache.pop(b, None)
 
     def _last_two(self, context: Sequence[int]) -> tuple[int, int]:
         """The last two tokens of ``context``, -1 where it is shorter."""
@@ -462,9 +493,11 @@ class KatzTrigram:
 
     def _unigram_probs(self) -> np.ndarray:
         if self._p1 is None:
-            self._n_tokens = int(self.unigrams.sum())
+            self._p1_counts = self.unigrams.copy()
+            self._n_tokens = int(self._p1_counts.sum())
             norm = self._n_tokens + UNIGRAM_DELTA * self.n_vocab
-            self._p1 = (self.unigrams + UNIGRAM_DELTA) / norm
+            self._p1 = (self._p1_counts + UNIGRAM_DELTA) / norm
+            self._added = 0
         return self._p1
 
     def _level2(self, b: int) -> _Level:
@@ -475,8 +508,9 @@ class KatzTrigram:
                 level = _BACKOFF
             else:
                 # M(b) = P1 mass outside S(b), from integers so that it is exactly 0 when S(b) = V
-                self._unigram_probs()  # sets _n_tokens = N
-                n_out = self._n_tokens - int(self.unigrams[tokens].sum())
+                self._unigram_probs()  # sets _n_tokens = N and the counts P1 was made from
+                assert self._p1_counts is not None
+                n_out = self._n_tokens - int(self._p1_counts[tokens].sum())
                 v = self.n_vocab
                 lower_mass = ((n_out + UNIGRAM_DELTA * (v - tokens.size))
                               / (self._n_tokens + UNIGRAM_DELTA * v))
@@ -486,7 +520,7 @@ class KatzTrigram:
         return level
 
     def _level3(self, a: int, b: int) -> _Level:
-        level = self._levels3.get((a, b))
+        level = self._levels3.get(b, {}).get(a)
         if level is None:
             tokens, counts = self.trigrams.continuations(a * self.n_vocab + b)
             if tokens.size == 0:
@@ -499,7 +533,7 @@ class KatzTrigram:
                 lower_mass += level2.rest
                 level = _make_level(tokens, counts, self.bigrams.count(a * self.n_vocab + b),
                                     self.discounts3, lower_mass)
-            self._store(self._levels3, (a, b), level)
+            self._store2(self._levels3, a, b, level)
         return level
 
     def _not_in(self, tokens: np.ndarray, excluded: np.ndarray) -> np.ndarray:
@@ -513,6 +547,17 @@ class KatzTrigram:
             cache.clear()  # bounded memory over a long session; hits refill it quickly
         cache[key] = value
 
+    def _store2(self, cache: dict[int, dict], a: int, b: int, value: object) -> None:
+        """``_store`` for a cache of histories (a, b), kept as [b][a]."""
+        inner = cache.get(b)
+        if inner is None:
+            if len(cache) >= _CACHE_LIMIT // 4:
+                cache.clear()
+            inner = cache[b] = {}
+        elif len(inner) >= _CACHE_LIMIT // 4:
+            inner.clear()
+        inner[a] = value
+
     # -- greedy -------------------------------------------------------------------------------
 
     def _argmax(self, a: int, b: int) -> int:
@@ -520,7 +565,7 @@ class KatzTrigram:
         p1 = self._unigram_probs()
         if b < 0:
             token = int(np.argmax(p1))
-            self._store(self._best, (a, b), token)
+            self._store2(self._best, a, b, token)
             return token
         level2 = self._level2(b)
         level3 = self._level3(a, b) if a >= 0 else _BACKOFF
@@ -536,14 +581,16 @@ class KatzTrigram:
             if level2.alpha > 0.0 and level2.tokens.size < self.n_vocab:  # unseen after b
                 u = self._best_outside(b, level2.tokens)
                 best = _pick(best, u, level3.alpha * (level2.alpha * p1[u]))
-        self._store(self._best, (a, b), best[0])
+        self._store2(self._best, a, b, best[0])
         return best[0]
 
     def _best_outside(self, b: int, seen: np.ndarray) -> int:
         """argmax of P1 over tokens not in ``seen`` = S(b): most counted, then smallest id."""
         u = self._outside.get(b)
         if u is None:
-            counts = self.unigrams.copy()
+            self._unigram_probs()  # P1's counts
+            assert self._p1_counts is not None
+            counts = self._p1_counts.copy()
             counts[seen] = -1
             u = int(np.argmax(counts))
             self._store(self._outside, b, u)

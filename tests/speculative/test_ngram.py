@@ -11,7 +11,7 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from speculative.ngram import UNIGRAM_DELTA, KatzTrigram, good_turing_discounts
+from speculative.ngram import P1_REFRESH, UNIGRAM_DELTA, KatzTrigram, good_turing_discounts
 
 Corpus = list[list[int]]
 
@@ -345,6 +345,41 @@ def test_update_moves_predictions_toward_the_conversation(zipf_model: KatzTrigra
     assert model.probs([a, b])[target] > 10 * p_before
     assert model.probs([a, b]).sum() == pytest.approx(1.0, abs=1e-12)
     assert zipf_model.greedy([a, b], 1) == [before]  # other instances are untouched
+
+
+def test_small_updates_keep_p1_and_the_answers_of_histories_they_do_not_touch() -> None:
+    """A conversation's few tokens leave a large model's P1 as it was (a refresh re-sorts the
+    vocabulary and drops every answer: ~12 ms per n-gram tree at GPT-2's vocabulary) and drop
+    only the answers of the histories whose counts changed; the model stays one consistent
+    distribution. Enough new tokens refresh P1 to the counts exactly."""
+    corpus = random_corpus(np.random.default_rng(8), n_vocab=40, n_tokens=20000)
+    model = KatzTrigram.build(corpus, 40)
+    n = int(model.unigrams.sum())
+    p1 = model.probs([]).copy()
+    conversation = [7, 8, 9] * 3
+    kept = next(b for b in range(40) if b not in (7, 8, 9) and model.unigrams[b] > 0)
+    for b in (kept, 8):
+        model.top([3, b], 4)
+        model.greedy([3, b], 2)
+    before = model._tops[kept]
+    assert len(conversation) < P1_REFRESH * n
+    model.update(conversation)
+    np.testing.assert_array_equal(model.probs([]), p1)  # P1 as it was
+    assert model._tops.get(kept) is before and kept in model._best
+    assert 8 not in model._tops and 8 not in model._best and 8 not in model._levels2
+    assert model.greedy([7, 8], 1) == [9]  # the conversation's trigram, counted at once
+    for context in [[a, b] for a in range(0, 40, 3) for b in range(40)]:
+        p = model.probs(context)
+        assert p.sum() == pytest.approx(1.0, abs=1e-12), context
+        tokens, probs = model.top(context, 5)
+        want_tokens, want_probs = _dense_top(model, context, 5)
+        assert tokens.tolist() == want_tokens, context
+        np.testing.assert_allclose(probs, want_probs, rtol=1e-12)
+        assert model.greedy(context, 3) == chained_argmax(model, context, 3), context
+    model.update([int(t) for t in np.random.default_rng(9).integers(0, 40, int(P1_REFRESH * n))])
+    counts = model.unigrams
+    np.testing.assert_allclose(model.probs([]), (counts + UNIGRAM_DELTA)
+                               / (counts.sum() + UNIGRAM_DELTA * 40), rtol=1e-12)
 
 
 # -- save / load ----------------------------------------------------------------------------
