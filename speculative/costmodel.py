@@ -87,18 +87,24 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     Measuring a large model's curve takes seconds at every start; the curve only changes with
     the file, the threads, the batch size and llama.cpp's build, which ``ctx.cost_key`` names
     (contexts without one are always measured). A cache that cannot be read or written is
-    ignored: the measurement is then simply taken again.
+    ignored: the measurement is then simply taken again. A curve that is not ``plausible``
+    (timed on a busy machine) is measured again, and is never cached.
     """
     key = getattr(ctx, "cost_key", None)
     if key is None:
-        return measure_verify_cost(ctx, max_tokens)
+        return _measure_plausible(ctx, max_tokens)
     path = path or cache_path()
     digest = hashlib.sha256(f"{key}|{max_tokens}".encode()).hexdigest()[:24]
     entries = _read_cache(path)
     hit = entries.get(digest)
     if hit is not None and not refresh:
-        return VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]))
-    cost = measure_verify_cost(ctx, max_tokens)
+        cached = VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]))
+        if plausible(cached):
+            return cached
+        log.info("cached decode costs %s are implausible: measuring again", cached.seconds)
+    cost = _measure_plausible(ctx, max_tokens)
+    if not plausible(cost):
+        return cost  # used for this run, never remembered
     entries[digest] = {"sizes": list(cost.sizes), "seconds": list(cost.seconds),
                        "measured": time.time()}
     try:
@@ -108,6 +114,32 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
         tmp.replace(path)
     except OSError as exc:
         log.info("decode costs not cached: %s", exc)
+    return cost
+
+
+MEASURE_ATTEMPTS = 3  # measurements of a curve before an implausible one is used as it is
+
+
+def plausible(cost: VerifyCost, slack: float = 0.8) -> bool:
+    """Whether no batch costs much less than a smaller one measured before it. A curve that
+    says otherwise was timed while something else used the cores (another program, a build),
+    and, cached, would mislead every later choice on this machine."""
+    most = 0.0
+    for seconds in cost.seconds:
+        if seconds < slack * most:
+            return False
+        most = max(most, seconds)
+    return True
+
+
+def _measure_plausible(ctx: Context, max_tokens: int) -> VerifyCost:
+    """``measure_verify_cost``, again (up to ``MEASURE_ATTEMPTS`` times) while implausible."""
+    for attempt in range(1, MEASURE_ATTEMPTS + 1):
+        cost = measure_verify_cost(ctx, max_tokens)
+        if plausible(cost):
+            return cost
+        log.warning("decode costs %s look disturbed (attempt %d of %d)",
+                    [round(t * 1000, 2) for t in cost.seconds], attempt, MEASURE_ATTEMPTS)
     return cost
 
 

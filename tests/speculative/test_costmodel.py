@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import time
+
 import pytest
 
 from speculative.costmodel import (
@@ -60,7 +62,51 @@ def test_guesses_ride_along_only_where_they_are_cheap() -> None:
 
 
 class _Keyed(FakeContext):
+    """A fake whose decodes take 1 ms a token, so its measured curve is plausible."""
+
     cost_key = "fake-model|2 threads"
+
+    def decode(self, tokens, *args, **kwargs):
+        time.sleep(0.001 * len(tokens))
+        return super().decode(tokens, *args, **kwargs)
+
+
+class _Busy(_Keyed):
+    """Timed while the host was busy: for its first ``busy`` decodes one token takes 20 ms and
+    more take 1 ms (a curve no hardware has), then 1 ms a token."""
+
+    busy = 0
+
+    def decode(self, tokens, *args, **kwargs):
+        if self.busy > 0:
+            self.busy -= 1
+            time.sleep(0.02 if len(tokens) == 1 else 0.001)
+            return FakeContext.decode(self, tokens, *args, **kwargs)
+        return super().decode(tokens, *args, **kwargs)
+
+
+def test_a_curve_timed_on_a_busy_machine_is_measured_again_and_never_cached(tmp_path) -> None:
+    from speculative.costmodel import plausible
+
+    assert plausible(VerifyCost((1, 2, 4), (1.0, 0.9, 2.0)))  # noise, within the slack
+    assert not plausible(VerifyCost((1, 2, 4), (1.0, 0.5, 2.0)))
+    cache = tmp_path / "costs.json"
+    ctx = _Busy(logit_table(6, seed=0), n_ctx=64, n_batch=16)
+    ctx.busy = 17  # one whole measurement of sizes 1, 2, 4, 8 (a prefix + 4 x 4 decodes)
+    cost = cached_verify_cost(ctx, 8, cache)
+    assert plausible(cost) and cost.seconds[0] < 0.01
+    assert cached_verify_cost(ctx, 8, cache) == cost  # the second measurement was cached
+    ctx.busy = 10 ** 6  # busy for good: every attempt is disturbed
+    disturbed = cached_verify_cost(ctx, 8, cache, refresh=True)
+    assert not plausible(disturbed)
+    ctx.busy = 0
+    assert cached_verify_cost(ctx, 8, cache) == cost  # the disturbed curve was not cached
+    import json  # a disturbed curve cached by an older version is measured again
+    entries = json.loads(cache.read_text())
+    for entry in entries.values():
+        entry["seconds"] = [0.02, 0.001, 0.002, 0.004]
+    cache.write_text(json.dumps(entries))
+    assert plausible(cached_verify_cost(ctx, 8, cache))
 
 
 def test_decode_costs_are_measured_once_per_model_and_settings(tmp_path) -> None:
