@@ -400,12 +400,10 @@ class Engine:
                                            factor["branches"] * other.scores[v], "ngram")
                 scored[path] = ("branches", other.scores[v])
         self._merged = scored
-        assert self.verify_cost is not None
         t_spent = (drafter.counters.t_draft + drafter.counters.t_stage2
                    + ngram.counters.t_stage2)
-        scores = sorted(merged.scores[1:], reverse=True)
-        n = best_size(scores, self.verify_cost, t_spent, 1.0)
-        return DraftTree(merged, {}).best(min(max(n, 1), budget.max_nodes))
+        merged_tree = DraftTree(merged, {})  # scores already calibrated: factor 1
+        return self._cut(merged_tree, merged_tree.scores(), t_spent, 1.0, budget.max_nodes)
 
     def _calibrate(self, tree: TokenTree, accepted: list[int], drafter: Drafter) -> None:
         """Update the calibration of whoever scored the verified tree's nodes: the drafter's,
@@ -474,7 +472,6 @@ class Engine:
     def _right_size(self, draft: DraftTree, drafter: Drafter, params: SamplingParams
                     ) -> DraftTree:
         """Cut the tree to the size that maximises expected tokens per second (costmodel)."""
-        assert self.verify_cost is not None
         scorer = _scorer(drafter)
         scores = draft.scores()
         t_draft = drafter.counters.t_draft + drafter.counters.t_stage2
@@ -485,8 +482,15 @@ class Engine:
         self._previous[scorer] = (scores, t_draft)
         if not basis:
             return draft
-        n = best_size(basis, self.verify_cost, t_basis, self._calibrations[scorer].factor)
-        return draft.best(max(n, 1))
+        return self._cut(draft, basis, t_basis, self._calibrations[scorer].factor)
+
+    def _cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
+             most: int | None = None) -> DraftTree:
+        """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
+        least 1, at most ``most``)."""
+        assert self.verify_cost is not None
+        n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
+        return draft.best(n if most is None else min(n, most))
 
     def _drafter(self, config: SpecConfig, budget: TreeBudget, params: SamplingParams
                  ) -> Drafter | None:

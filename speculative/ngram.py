@@ -478,7 +478,6 @@ class KatzTrigram:
         self._order = None
         self._p1 = None
         self._p1_counts = None
-        self._added = 0
 
     def _drop(self, histories: set[int]) -> None:
         """Drop the cached answers of the histories ``b`` and ``(a, b)`` for b in ``histories``."""
