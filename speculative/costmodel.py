@@ -8,6 +8,13 @@ what the target actually accepted so far. The best N maximises tokens per second
 
     N* = argmax_N (1 + c * S_N) / (t_draft + cost(N + 1))
 
+A batch whose shape (tokens, sequences, outputs) differs from the context's previous batch also
+pays ``switch``: llama.cpp keeps the compute graph of the last batch only and builds a new one
+for a new shape (measured: 5 ms on a gpt2-large-shaped target whose pass takes 52 ms, 0.4 ms
+of the built-in target's 2-3 ms). Plain decoding never pays it; a step that alternates
+between drafting and the target alone pays it twice. ``VerifyCost.after(last)`` prices each
+size as the step after a batch of ``last`` tokens sees it.
+
 Exactness: greedy verification is exact for any tree, so greedy steps choose N from their own
 scores. A sampled step must not choose its shape from its own drawn tokens (that would bias
 which draws get verified), so it uses the previous step's scores, drawn independently.
@@ -34,12 +41,26 @@ log = logging.getLogger(__name__)
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class VerifyCost:
-    """Seconds to decode n tokens after a prefix, measured at a few n, interpolated between."""
+    """Seconds to decode n tokens after a prefix, measured at a few n, interpolated between:
+    the cost of a batch shaped like the one before it, plus ``switch`` for a new shape when
+    ``last`` (the previous batch's size) is set."""
 
     sizes: tuple[int, ...]
     seconds: tuple[float, ...]
+    switch: float = 0.0  # seconds to build the compute graph of a new batch shape
+    last: int | None = None  # the previous batch's size; None: shapes are not priced
+
+    def after(self, last: int) -> VerifyCost:
+        """This curve as seen by the batch after one of ``last`` tokens."""
+        return dataclasses.replace(self, last=last)
 
     def __call__(self, n: int) -> float:
+        if self.last is not None and n != self.last:
+            return self.curve(n) + self.switch
+        return self.curve(n)
+
+    def curve(self, n: int) -> float:
+        """Seconds for n tokens after a batch of the same shape (no switch)."""
         i = bisect.bisect_left(self.sizes, n)
         if i < len(self.sizes) and self.sizes[i] == n:
             return self.seconds[i]
@@ -56,7 +77,8 @@ class VerifyCost:
 def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
                         repeats: int = 3) -> VerifyCost:
     """Time one-batch decodes of 1, 2, 4, ... ``max_tokens`` tokens after ``prefix`` tokens
-    (medians of ``repeats``). Leaves the context empty."""
+    (medians of ``repeats``), each after a batch of the same size, and the switch cost: what
+    batches of 1 and 2 tokens take beyond that when they alternate. Leaves the context empty."""
     sizes = sorted({*(2 ** k for k in range(max_tokens.bit_length())), max_tokens})
     sizes = [n for n in sizes if 1 <= n <= min(max_tokens, ctx.n_batch, ctx.n_ctx - 1)]
     prefix = max(1, min(prefix, ctx.n_ctx - sizes[-1], ctx.n_batch))
@@ -71,8 +93,27 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
             ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
             times.append(time.perf_counter() - t0)
         seconds.append(float(np.median(times[1:])))
+    switch = _measure_switch(ctx, prefix, 2 * repeats + 2) if len(sizes) > 1 else 0.0
     ctx.clear()
-    return VerifyCost(tuple(sizes), tuple(seconds))
+    return VerifyCost(tuple(sizes), tuple(seconds), switch)
+
+
+def _measure_switch(ctx: Context, prefix: int, pairs: int) -> float:
+    """Seconds a one-token batch takes after a two-token one beyond what it takes after a
+    one-token one (llama.cpp building a new graph): the median over ``pairs`` adjacent pairs,
+    whose two timings share the machine's load of the moment."""
+    def one(n: int) -> float:
+        ctx.seq_rm(0, prefix, -1)
+        t0 = time.perf_counter()
+        ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
+        return time.perf_counter() - t0
+
+    differences = []
+    for _ in range(pairs):
+        one(2)
+        after_other = one(1)
+        differences.append(after_other - one(1))
+    return max(0.0, float(np.median(differences)))
 
 
 def cache_path() -> Path:
@@ -97,8 +138,8 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     digest = hashlib.sha256(f"{key}|{max_tokens}".encode()).hexdigest()[:24]
     entries = _read_cache(path)
     hit = entries.get(digest)
-    if hit is not None and not refresh:
-        cached = VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]))
+    if hit is not None and "switch" in hit and not refresh:  # (no "switch": an older cache)
+        cached = VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]), hit["switch"])
         if plausible(cached):
             return cached
         log.info("cached decode costs %s are implausible: measuring again", cached.seconds)
@@ -106,7 +147,7 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     if not plausible(cost):
         return cost  # used for this run, never remembered
     entries[digest] = {"sizes": list(cost.sizes), "seconds": list(cost.seconds),
-                       "measured": time.time()}
+                       "switch": cost.switch, "measured": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

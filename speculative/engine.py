@@ -109,6 +109,7 @@ class Engine:
         self.target = KVTree(target)
         self.draft = KVTree(draft) if draft is not None else None
         self.ngram = ngram if ngram is not None else KatzTrigram.build([], target.n_vocab)
+        self.ngram.warm()  # not in the first step's time
         self._ngram_fed: list[int] = []
         self.config = config if config is not None else SpecConfig()
         self.oracle: OracleDrafter | None = None  # Mode.ORACLE's drafter (benchmarks)
@@ -117,6 +118,8 @@ class Engine:
         self.sampling: SamplingParams | None = None
         self.planner: Planner | None = None       # Mode.AUTO's, made once costs are measured
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
+        # this step's view of it: a batch shaped unlike the last one pays the graph switch
+        self._priced: VerifyCost | None = None
         self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
         # accepted tokens / predicted, by who scored the tree: the draft model or the n-gram;
         # and in auto's merged trees, the n-gram's branches beside the draft's (see _merge)
@@ -198,12 +201,14 @@ class Engine:
                     self.target.ctx.n_batch)
             self.verify_cost = cached_verify_cost(self.target.ctx, n, refresh=force)
             self.target.reset()
-            log.info("verify cost (ms): %s", _ms(self.verify_cost))
+            log.info("verify cost (ms): %s, a new batch shape +%.2f", _ms(self.verify_cost),
+                     self.verify_cost.switch * 1000)
         if self.draft is not None and (self.draft_cost is None or force):
             n = min(budget.max_nodes + self.config.lookahead + 1, self.draft.ctx.n_batch)
             self.draft_cost = cached_verify_cost(self.draft.ctx, n, refresh=force)
             self.draft.reset()
-            log.info("draft cost (ms): %s", _ms(self.draft_cost))
+            log.info("draft cost (ms): %s, a new batch shape +%.2f", _ms(self.draft_cost),
+                     self.draft_cost.switch * 1000)
         if self.planner is None or force:
             self.planner = Planner(self.verify_cost, self.draft_cost)
         return self.verify_cost
@@ -224,6 +229,10 @@ class Engine:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
         self._guesses, self._merged = (), None  # set by this step's auto tree, if any
+        if self.verify_cost is not None:
+            self._priced = self.verify_cost.after(self.target.last_batch)
+            if self.planner is not None:
+                self.planner.target = self._priced
         budget = self._fit(config, committed)
         drafter = self._drafter(config, budget, params) if budget is not None else None
         if config.mode in (Mode.NGRAM, Mode.STAGED):
@@ -356,9 +365,10 @@ class Engine:
         assert planner is not None
         pays = (planner.expand([1.0], [], 0.0, self._calibrations["draft"].factor,
                                budget.max_depth, baseline) > 0
-                and not planner.measured_loss("draft"))
+                and not planner.measured_loss("draft") and planner.may_try("draft"))
         if not pays:
-            if not planner.explore():
+            assert self.draft is not None
+            if not planner.explore(planner.probe_risk(self.draft.behind(committed), PROBE)):
                 return DraftTree(TokenTree.rooted(committed[-1]), {})
             budget = _probe(budget)
         planner.drafted()
@@ -488,8 +498,9 @@ class Engine:
              most: int | None = None) -> DraftTree:
         """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
         least 1, at most ``most``)."""
-        assert self.verify_cost is not None
-        n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
+        cost = self._priced or self.verify_cost
+        assert cost is not None
+        n = max(best_size(basis, cost, t_draft, factor), 1)
         return draft.best(n if most is None else min(n, most))
 
     def _drafter(self, config: SpecConfig, budget: TreeBudget, params: SamplingParams

@@ -10,6 +10,14 @@ makes it sequence 0 again.
 The cache is llama.cpp's *unified* one: ``n_ctx`` cells shared by every sequence. Each committed
 token and each decoded tree node holds one cell (a node on several sequences still holds one),
 so a step's batches must fit the cells left, not just the positions left: ``cells_free``.
+
+llama.cpp reuses the compute graph of the previous batch when the next one has the same shape:
+as many tokens, outputs and distinct sequence ids (building a graph costs about a tenth of a
+pass: ``costmodel``). Distinct ids follow the tree's leaf count, so two trees of equal size
+but different shapes would each build a graph; every batch with n tree nodes therefore
+carries the same number of ids, topped up with spare ids on its first token. A spare id is a
+copy of that token's own sequence, so nothing attends differently (llama.cpp masks each token
+by its first id), and committing a path drops it with the other sequences.
 """
 
 from __future__ import annotations
@@ -45,6 +53,7 @@ class KVTree:
         self.tokens: list[int] = []  # what sequence 0 holds, position by position
         self._next_seq = 1
         self._nodes = 0  # cells held by this step's uncommitted nodes
+        self.last_batch = 0  # tokens in the last decoded batch (the graph llama.cpp holds)
 
     @property
     def room(self) -> int:
@@ -60,6 +69,10 @@ class KVTree:
     def seqs_free(self) -> int:
         """Sequence ids this step can still hand out (one per batch leaf)."""
         return self.ctx.n_seq_max - self._next_seq
+
+    def behind(self, committed: Sequence[int]) -> int:
+        """Tokens of ``committed`` that ``prepare`` would have to decode (all but the last)."""
+        return max(len(committed) - 1 - _common_prefix(self.tokens, committed), 0)
 
     def tip(self) -> Slot | None:
         return Slot(len(self.tokens) - 1, 0) if self.tokens else None
@@ -118,13 +131,10 @@ class KVTree:
             if isinstance(p, int):
                 is_parent[p] = True
         seqs: list[list[int]] = [[0] if parents[i] is COMMIT else [] for i in range(n)]
-        for i in range(n):
-            if parents[i] is COMMIT or is_parent[i]:
-                continue
+        leaves = [i for i in range(n) if parents[i] is not COMMIT and not is_parent[i]]
+        for i in leaves:
             s = self._new_seq()
-            origin = anchor[i]
-            if origin is not None:
-                self.ctx.seq_cp(origin.seq, s, -1, origin.pos + 1)
+            self._copy_prefix(anchor[i], s)
             j: int | None = i
             while j is not None:  # the leaf's id goes on every new node of its path
                 seqs[j].append(s)
@@ -133,6 +143,7 @@ class KVTree:
                     j = j - 1 if j > 0 else None
                 else:
                     j = p if isinstance(p, int) else None
+        self._pad_seqs(seqs, parents, anchor)
         logits = self.ctx.decode(tokens, pos, seqs,
                                  True if want_logits is None else list(want_logits))
         for i in range(n):
@@ -140,6 +151,7 @@ class KVTree:
                 self.tokens.append(tokens[i])
             else:
                 self._nodes += 1
+        self.last_batch = n
         # a slot names one sequence holding the node: 0 for committed tokens, else the first
         # leaf below it
         slots = [Slot(pos[i], seqs[i][0]) for i in range(n)]
@@ -167,6 +179,28 @@ class KVTree:
                 pos.append(pos[p] + 1)
                 anchor.append(anchor[p])
         return pos, anchor
+
+    def _copy_prefix(self, origin: Slot | None, seq: int) -> None:
+        """Give ``seq`` the cached path up to ``origin`` (nothing if the batch starts afresh)."""
+        if origin is not None:
+            self.ctx.seq_cp(origin.seq, seq, -1, origin.pos + 1)
+
+    def _pad_seqs(self, seqs: list[list[int]], parents: Sequence[Parent],
+                  anchor: list[Slot | None]) -> None:
+        """Top the batch's distinct sequence ids up to one per tree node (plus sequence 0 if
+        committed tokens come first), so that equal-sized trees share llama.cpp's graph (see
+        the module docstring). Skipped when the spare ids are not free."""
+        nodes = sum(p is not COMMIT for p in parents)
+        if nodes == 0:
+            return
+        want = nodes + (parents[0] is COMMIT)
+        have = len({s for ids in seqs for s in ids})
+        if want <= have or want - have > self.seqs_free:
+            return
+        for _ in range(want - have):
+            s = self._new_seq()
+            self._copy_prefix(anchor[0], s)
+            seqs[0].append(s)
 
     def _new_seq(self) -> int:
         s = self._next_seq

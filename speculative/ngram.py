@@ -386,9 +386,9 @@ class KatzTrigram:
         hit = self._tops.get(b, {}).get(a)
         if hit is not None and hit[0] >= k:
             return hit[1][:k], hit[2][:k]
+        self.warm()
         p1 = self._unigram_probs()
-        if self._order is None:
-            self._order = np.lexsort((np.arange(self.n_vocab), -self._p1_counts))
+        assert self._order is not None
         if b < 0:
             tokens = self._order[:k]
             probs = p1[tokens]
@@ -465,6 +465,13 @@ class KatzTrigram:
                                     z["trigram_count"].astype(np.int64)))
         model._check(path)
         return model
+
+    def warm(self) -> None:
+        """Compute P1 and the vocabulary's order by it now (~3-10 ms at V = 50257) rather than
+        at the first query, which a generation step would pay for."""
+        self._unigram_probs()
+        if self._order is None:
+            self._order = np.lexsort((np.arange(self.n_vocab), -self._p1_counts))
 
     # -- levels -------------------------------------------------------------------------------
 

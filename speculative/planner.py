@@ -34,6 +34,15 @@ bookkeeping), and is explored again after ``EXPLORE_EVERY`` steps, since the tex
 drifts (the wait doubles while explorations keep losing, up to ``MAX_BACKOFF`` times; the
 n-gram's wait starts over with each reply).
 
+Exploring is paid for from a budget, so that ``auto`` is never much slower than the target
+alone: the *regret*, the time steps took beyond what the target alone would have taken for
+their tokens (at its measured rate), may reach ``EXPLORE_SHARE`` of the time spent (plus an
+allowance of ``EXPLORE_START`` plain steps' time for a fresh start). A kind of step not yet
+measured faster than the target alone, by the model's word or as an exploration, runs only
+while regret is under budget; a kind measured faster runs regardless, and what it gains
+(negative regret) is budget for later explorations. On a machine and a text where nothing
+pays, auto then loses at most about that share; where drafting pays, it explores freely.
+
 On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and wide;
 on a CPU whose second batch token costs 0.75 of the first, it drafts only when the draft is
 confident, and lets plain decoding run otherwise. Every choice depends on the draft's
@@ -50,6 +59,8 @@ from .costmodel import VerifyCost
 LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
 EXPLORE_EVERY = 24  # steps without drafting after which the draft is tried once more
 MAX_BACKOFF = 8     # at most this many times longer while explorations keep losing
+EXPLORE_SHARE = 0.02  # time auto may lose to unproven kinds of step, as a share of its time
+EXPLORE_START = 100   # plain steps' time a fresh planner counts as spent (2 steps to lose)
 
 
 @dataclasses.dataclass(slots=True)
@@ -95,7 +106,7 @@ MIN_STEPS = 3.0  # decayed steps of both kinds before measured rates overrule th
 class Planner:
     """What ``auto`` knows: the two cost curves and running estimates of the draft's quality."""
 
-    target: VerifyCost
+    target: VerifyCost  # priced after the last batch's shape: the engine sets it at each step
     draft: VerifyCost | None
     # seconds per step outside the target and the draft (Python bookkeeping), running
     steps_overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
@@ -112,14 +123,18 @@ class Planner:
         default_factory=lambda: {"root": Rate(), "guesses": Rate(), "draft": Rate()})
     guess_idle: int = 0  # steps since n-gram guesses were last verified
     guess_every: int = EXPLORE_EVERY  # steps between n-gram explorations while they lose
+    elapsed: float = 0.0  # seconds of all steps observed
+    regret: float = 0.0   # their seconds beyond the target alone's for their tokens
 
-    def explore(self) -> bool:
+    def explore(self, risk: float = 0.0) -> bool:
         """Draft this step although the estimates say it does not pay: they were made when the
-        text was different, and are only updated by steps that draft. (Decided by a counter,
-        never by this step's draws.) Each exploration that finds drafting still at a measured
-        loss doubles the wait before the next, up to ``MAX_BACKOFF`` times."""
+        text was different, and are only updated by steps that draft. (Decided by a counter
+        and past steps, never by this step's draws.) Each exploration that finds drafting
+        still at a measured loss doubles the wait before the next, up to ``MAX_BACKOFF``
+        times; none starts unless the budget holds its ``risk`` (``probe_risk``)."""
         self.idle += 1
-        if self.draft is None or self.idle < self.explore_every:
+        if (self.draft is None or self.idle < self.explore_every
+                or not self.within_budget(risk)):
             return False
         lost = self.measured_loss("draft")
         self.explore_every = (min(self.explore_every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost
@@ -142,7 +157,43 @@ class Planner:
 
     def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
         """A finished step of ``kind`` ("root", "guesses" or "draft") emitted ``tokens``."""
+        self.regret += seconds - tokens * self.plain_seconds()
+        self.elapsed += seconds
         self.rates[kind].add(tokens, seconds)
+
+    def plain_seconds(self) -> float:
+        """Seconds per token of the target alone: measured, or before any such step, the cost
+        model's single-token pass plus the steps' overhead."""
+        root = self.rates["root"]
+        if root.steps > 0 and root.value > 0:
+            return 1.0 / root.value
+        return self.target.curve(1) + self.overhead
+
+    def within_budget(self, risk: float = 0.0) -> bool:
+        """Whether the regret so far leaves room for a step that may lose up to ``risk``
+        seconds (see the module docstring)."""
+        allowance = EXPLORE_SHARE * (self.elapsed + EXPLORE_START * self.plain_seconds())
+        return self.regret + risk < allowance
+
+    def probe_risk(self, behind: int, length: int) -> float:
+        """What a probe may lose: the draft catching up on ``behind`` tokens (it last ran
+        that long ago), drafting a chain of ``length`` tokens one by one, and verifying them,
+        against one token of the target alone."""
+        if self.draft is None:
+            return 0.0
+        catch_up = self.draft.curve(behind) if behind > 0 else 0.0
+        return (catch_up + length * self.draft.curve(1) + self.target(length + 1)
+                - self.plain_seconds())
+
+    def proven(self, kind: str) -> bool:
+        """Steps of ``kind`` have really been at least as fast as the target alone."""
+        mine, root = self.rates[kind], self.rates["root"]
+        return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
+                and mine.value >= root.value)
+
+    def may_try(self, kind: str) -> bool:
+        """A step of ``kind`` may run: proven, or an affordable try (``within_budget``)."""
+        return self.proven(kind) or self.within_budget()
 
     def measured_loss(self, kind: str) -> bool:
         """Steps of ``kind`` have really been slower than the target alone, over enough recent
@@ -165,6 +216,8 @@ class Planner:
         self.guess_idle += 1
         lost = self.measured_loss("guesses")
         if lost and self.guess_idle < self.guess_every:
+            return False
+        if not self.may_try("guesses"):
             return False
         self.guess_every = (min(self.guess_every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost
                             else EXPLORE_EVERY)

@@ -23,6 +23,19 @@ def test_cost_interpolates_and_extrapolates() -> None:
     assert cost(0) == 1.0
 
 
+def test_a_new_batch_shape_pays_the_switch() -> None:
+    cost = VerifyCost((1, 2, 4), (1.0, 2.0, 3.0), switch=0.25)
+    assert cost(2) == 2.0  # unpriced: the curve alone
+    after_two = cost.after(2)
+    assert after_two(2) == 2.0 and after_two(1) == 1.25 and after_two(3) == 2.75
+    assert after_two.curve(1) == 1.0
+    # after a plain step, a tree must gain more than the switch (and the next plain step's)
+    scores = [0.3]
+    assert best_size(scores, VerifyCost((1, 2), (1.0, 1.2)), 0.0, 1.0) == 1
+    assert best_size(scores, VerifyCost((1, 2), (1.0, 1.2), 0.1).after(1), 0.0, 1.0) == 0
+    assert best_size(scores, VerifyCost((1, 2), (1.0, 1.2), 0.1).after(2), 0.0, 1.0) == 1
+
+
 def test_best_size_follows_the_hardware() -> None:
     scores = [0.9, 0.8, 0.5, 0.3, 0.1, 0.05]
     flat = VerifyCost((1, 8), (1.0, 1.0))  # a GPU-like cost: more nodes are free
@@ -47,7 +60,7 @@ def test_measure_leaves_the_context_empty() -> None:
     ctx = FakeContext(logit_table(5, seed=0), n_ctx=40, n_batch=16)
     cost = measure_verify_cost(ctx, 13, repeats=1)
     assert cost.sizes == (1, 2, 4, 8, 13)
-    assert all(t > 0 for t in cost.seconds)
+    assert all(t > 0 for t in cost.seconds) and cost.switch >= 0.0
     assert ctx.cells == []
 
 
@@ -125,6 +138,25 @@ def test_decode_costs_are_measured_once_per_model_and_settings(tmp_path) -> None
     assert other.decodes > 0  # another key: measured
     cache.write_text("not json")
     assert cached_verify_cost(ctx, 8, cache).sizes == first.sizes  # a broken cache is remeasured
+    import json  # an entry cached before switches were measured is measured again
+    entries = json.loads(cache.read_text())
+    for entry in entries.values():
+        del entry["switch"]
+    cache.write_text(json.dumps(entries))
+    decodes = ctx.decodes
+    assert cached_verify_cost(ctx, 8, cache).switch >= 0.0 and ctx.decodes > decodes
+    assert all("switch" in entry for entry in json.loads(cache.read_text()).values())
+
+
+def test_measuring_a_real_context_with_its_switches_leaves_it_empty(tiny_models) -> None:
+    """The curve and the switch (batches of alternating shapes) are timed on a real llama.cpp
+    context, which is left empty for the conversation."""
+    from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+
+    with LlamaModel(tiny_models["q8_0-target"]) as m, \
+            LlamaContext(m, ContextConfig(n_ctx=64, n_batch=16, n_threads=1)) as ctx:
+        cost = measure_verify_cost(ctx, 4)
+        assert cost.switch >= 0.0 and ctx.seq_pos_max(0) == -1
 
 
 def test_real_contexts_name_what_their_cost_depends_on(tiny_models) -> None:

@@ -138,6 +138,39 @@ def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
         fresh.close()
 
 
+def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
+    """Steps of a kind not yet measured faster than the target alone may run only while the
+    time lost so far (regret) is under EXPLORE_SHARE of the time spent; a proven kind runs
+    regardless, and its gains fund later explorations."""
+    from speculative.costmodel import VerifyCost
+    from speculative.planner import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, Planner
+
+    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
+    planner = Planner(curve, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8)))
+    start = EXPLORE_SHARE * EXPLORE_START  # plain steps' time a fresh planner may lose
+    assert planner.within_budget(0.9 * start) and not planner.within_budget(1.1 * start)
+    for _ in range(10):
+        planner.observe_step("root", 1, 1.0)  # the target alone: 1 token per second
+    planner.observe_step("draft", 1, 1.0 + 1.2 * start)  # a probe that lost more than that
+    assert planner.regret == pytest.approx(1.2 * start)
+    assert not planner.may_try("draft") and not planner.may_try("guesses")
+    planner.idle = EXPLORE_EVERY
+    assert not planner.explore()  # due, but not affordable
+    waited = 0
+    while not planner.within_budget():  # time spent without losing refills the budget
+        planner.observe_step("root", 1, 1.0)
+        waited += 1
+    # the loss beyond the start allowance, 0.2 * start, is EXPLORE_SHARE of the time spent:
+    # 20 s, of which 11 + 1.2 * start = 13.4 s had passed
+    assert waited == 7
+    # a probe's risk counts: the draft catching up on 100 tokens costs more than is left
+    assert planner.probe_risk(100, 3) > planner.probe_risk(0, 3) > 0
+    assert not planner.explore(planner.probe_risk(100, 3))
+    for _ in range(5):  # n-gram trees measured at 3 tokens per second: proven, they run
+        planner.observe_step("guesses", 3, 1.0)
+    assert planner.may_try("guesses") and planner.regret < 0  # and their gain is budget
+
+
 def test_a_kind_of_step_measured_slower_than_the_target_alone_is_not_taken() -> None:
     from speculative.costmodel import VerifyCost
     from speculative.planner import EXPLORE_EVERY, Planner

@@ -112,6 +112,50 @@ def test_cache_equals_a_from_scratch_decode_after_any_accept_reject_sequence(
     assert np.array_equal(logits[-1], table_logits(TARGET, committed).astype(np.float32))
 
 
+class _Recording(FakeContext):
+    """Remembers the distinct sequence ids of each decoded batch."""
+
+    def __init__(self, *args, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.distinct: list[int] = []
+
+    def decode(self, tokens, positions, seq_ids, logits=True):
+        self.distinct.append(len({s for ids in seq_ids for s in ids}))
+        return super().decode(tokens, positions, seq_ids, logits)
+
+
+@settings(max_examples=100, deadline=None, database=None)
+@given(st.data(), st.integers(1, 8))
+def test_trees_of_one_size_carry_as_many_sequence_ids_whatever_their_shape(data, size) -> None:
+    """llama.cpp reuses its compute graph only for a batch of the same shape, distinct
+    sequence ids included: a chain and a bush of ``size`` nodes must both carry ``size + 1``
+    (spare ids are topped up), see exactly their own paths, and leave nothing behind."""
+    committed = data.draw(st.lists(tokens, min_size=1, max_size=10))
+    ctx = _Recording(TARGET, n_ctx=40, n_batch=16, n_seq_max=16)
+    kv = KVTree(ctx)
+    for _ in range(3):
+        tree = TokenTree.rooted(committed[-1])
+        while len(tree) - 1 < size:  # any shape, exactly `size` nodes
+            parent = data.draw(st.integers(0, len(tree) - 1))
+            taken = {tree.tokens[c] for c in tree.children[parent]}
+            token = data.draw(st.sampled_from([t for t in range(V) if t not in taken] or [-1]))
+            if token >= 0:
+                tree.add(parent, token, 1.0, "draft")
+        slots, logits = _decode_tree(kv, committed, tree)
+        assert ctx.distinct[-1] == size + 1
+        for node in range(len(tree)):
+            want = table_logits(TARGET, [*committed, *tree.path(node)])
+            assert np.array_equal(logits[node], want.astype(np.float32))
+        node = data.draw(st.integers(0, len(tree) - 1))
+        kv.commit(slots[node], list(tree.path(node)))
+        committed = [*committed, *tree.path(node)]
+        _assert_cache_is_the_committed_text(kv, committed)
+    # a plain step (one committed token, no tree) stays on sequence 0 alone
+    pending = kv.prepare([*committed, 1], max_pending=1)
+    kv.decode(pending, [COMMIT] * len(pending))
+    assert ctx.distinct[-1] == 1
+
+
 budgets = st.builds(TreeBudget, max_nodes=st.integers(1, 12), max_depth=st.integers(1, 8),
                     max_children=st.integers(1, 4))
 NGRAM_TEXT = [list(np.random.default_rng(33).integers(0, V, 200))]
