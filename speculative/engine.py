@@ -118,8 +118,6 @@ class Engine:
         self.sampling: SamplingParams | None = None
         self.planner: Planner | None = None       # Mode.AUTO's, made once costs are measured
         self.verify_cost: VerifyCost | None = None  # measured on first use (adaptive trees)
-        # this step's view of it: a batch shaped unlike the last one pays the graph switch
-        self._priced: VerifyCost | None = None
         self.draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
         # accepted tokens / predicted, by who scored the tree: the draft model or the n-gram;
         # and in auto's merged trees, the n-gram's branches beside the draft's (see _merge)
@@ -229,10 +227,11 @@ class Engine:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
         self._guesses, self._merged = (), None  # set by this step's auto tree, if any
-        if self.verify_cost is not None:
-            self._priced = self.verify_cost.after(self.target.last_batch)
-            if self.planner is not None:
-                self.planner.target = self._priced
+        self._tried_ngram = False  # auto grew (or would grow) the n-gram's tree this step
+        if self.verify_cost is not None and self.planner is not None:
+            # auto decides whether to draft at all against a batch shaped like the last one:
+            # leaving the target alone for a tree, and coming back, each build a graph
+            self.planner.target = self.verify_cost.after(self.target.last_batch)
         budget = self._fit(config, committed)
         drafter = self._drafter(config, budget, params) if budget is not None else None
         if config.mode in (Mode.NGRAM, Mode.STAGED):
@@ -243,11 +242,13 @@ class Engine:
             elif config.mode is Mode.AUTO and self.planner is not None:
                 draft, drafter = self._auto_tree(drafter, committed, budget, params, rng)
             else:
-                # tree and staged, adaptive: a draft batch only where it pays (Planner.expand);
-                # a chain keeps its length (standard speculative decoding, the baseline)
-                grow = (config.adaptive and self.planner is not None
-                        and config.mode in (Mode.TREE, Mode.STAGED))
-                expand = self._expander(budget) if grow else None
+                # tree and staged, adaptive: a draft batch only where it pays (Planner.expand),
+                # ngram: only nodes that could pay grow; a chain keeps its length (standard
+                # speculative decoding, the baseline)
+                grow = config.adaptive and self.planner is not None
+                expand = (self._expander(budget) if grow and config.mode in (
+                    Mode.TREE, Mode.STAGED) else self._worth_growing()
+                    if grow and config.mode is Mode.NGRAM else None)
                 draft = grow_tree(drafter, committed, budget, params, rng, expand)
                 if config.adaptive and self.verify_cost is not None:
                     draft = self._right_size(draft, drafter, params)
@@ -282,8 +283,10 @@ class Engine:
         if self.planner is not None:
             self.planner.steps_overhead.add(stats.t_other)
             if config.mode is Mode.AUTO:
+                # a kind is what the step tried, whatever the cut then kept: an n-gram tree
+                # grown and cut to nothing cost its time too (a "root" step is the target alone)
                 kind = ("draft" if counters.calls else
-                        "guesses" if len(tree) > 1 else "root")
+                        "guesses" if self._tried_ngram or len(tree) > 1 else "root")
                 self.planner.observe_step(kind, stats.emitted, t3 - t0)
         return [*accepted, verdict.next_token], origins, stats
 
@@ -303,20 +306,21 @@ class Engine:
         if planner.wants_root():
             return DraftTree(TokenTree.rooted(committed[-1]), {}), drafter
         if isinstance(drafter, NgramDrafter):  # no draft model
+            self._tried_ngram = True
             self._feed_ngram(committed)
-            draft = grow_tree(drafter, committed, budget, params, rng)
+            draft = grow_tree(drafter, committed, budget, params, rng, self._worth_growing())
             return self._right_size(draft, drafter, params), drafter
         # (whether to guess, like whether to draft, follows past steps and this step's
         # distributions, never its draws: sampled, the n-gram's tree is grown only if chosen).
         # The measured rates gate the n-gram's trees even greedy, where they are judged on the
         # step's own scores: on code those promised more than they gave (auto 0.82x, as ngram)
-        guesses = planner.guesses_allowed()
+        guesses = self._tried_ngram = planner.guesses_allowed()
         if guesses:
             self._feed_ngram(committed)
         ngram = NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
         ngram_tree, baseline = None, 0.0
         if guesses and params.greedy:
-            ngram_tree = grow_tree(ngram, committed, budget, params, rng)
+            ngram_tree = grow_tree(ngram, committed, budget, params, rng, self._worth_growing())
             n, rate = planner.best_cut(ngram_tree.scores(), ngram.counters.t_stage2,
                                        self._calibrations["ngram"].factor)
             baseline = rate if n > 0 else 0.0
@@ -332,8 +336,23 @@ class Engine:
             # while the n-gram's trees measure a loss is a probe (see _maybe_draft)
             if planner.measured_loss("guesses"):
                 budget = _probe(budget)
-            ngram_tree = grow_tree(ngram, committed, budget, params, rng)
+            ngram_tree = grow_tree(ngram, committed, budget, params, rng, self._worth_growing())
         return self._right_size(ngram_tree, ngram, params), ngram
+
+    def _worth_growing(self) -> Callable[[TokenTree, list[int], int], int]:
+        """``grow_tree``'s ``expand`` for the n-gram's trees in ``auto``: expand only the
+        frontier nodes whose calibrated score could still pay for a node of the batch (a
+        child scores at most its parent; ``Planner.least_worth``). Growing the whole tree cost
+        6-9 ms on new text here, against a 2-3 ms pass of the built-in target; most of it was
+        cut away."""
+        planner = self.planner
+        assert planner is not None
+        least = planner.least_worth() / self._calibrations["ngram"].factor
+
+        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
+            return sum(tree.scores[v] >= least for v in frontier)  # best first
+
+        return expand
 
     def _expander(self, budget: TreeBudget) -> Callable[[TokenTree, list[int], int], int]:
         """``grow_tree``'s ``expand``: how many frontier nodes the next draft batch takes, as
@@ -498,9 +517,10 @@ class Engine:
              most: int | None = None) -> DraftTree:
         """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
         least 1, at most ``most``)."""
-        cost = self._priced or self.verify_cost
-        assert cost is not None
-        n = max(best_size(basis, cost, t_draft, factor), 1)
+        # the curve alone, not priced by the last batch's shape: a tree's size settles over
+        # steps, and a step that paid to change it would keep paying to keep it small
+        assert self.verify_cost is not None
+        n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
         return draft.best(n if most is None else min(n, most))
 
     def _drafter(self, config: SpecConfig, budget: TreeBudget, params: SamplingParams

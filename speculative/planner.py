@@ -58,9 +58,9 @@ from .costmodel import VerifyCost
 
 LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
 EXPLORE_EVERY = 24  # steps without drafting after which the draft is tried once more
-MAX_BACKOFF = 8     # at most this many times longer while explorations keep losing
-EXPLORE_SHARE = 0.02  # time auto may lose to unproven kinds of step, as a share of its time
-EXPLORE_START = 100   # plain steps' time a fresh planner counts as spent (2 steps to lose)
+MAX_BACKOFF = 16    # at most this many times longer while explorations keep losing
+EXPLORE_SHARE = 0.01  # time auto may lose to unproven kinds of step, as a share of its time
+EXPLORE_START = 200   # plain steps' time a fresh planner counts as spent (2 steps to lose)
 
 
 @dataclasses.dataclass(slots=True)
@@ -163,11 +163,12 @@ class Planner:
 
     def plain_seconds(self) -> float:
         """Seconds per token of the target alone: measured, or before any such step, the cost
-        model's single-token pass plus the steps' overhead."""
+        model's single-token pass (without the steps' overhead, which the n-gram's trees and
+        the draft's catching up inflate: a baseline too slow would book losses as gains)."""
         root = self.rates["root"]
         if root.steps > 0 and root.value > 0:
             return 1.0 / root.value
-        return self.target.curve(1) + self.overhead
+        return self.target.curve(1)
 
     def within_budget(self, risk: float = 0.0) -> bool:
         """Whether the regret so far leaves room for a step that may lose up to ``risk``
@@ -262,6 +263,16 @@ class Planner:
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n, best_rate
+
+    def least_worth(self, most: int = 32) -> float:
+        """The acceptance probability a drafted node needs at the very least to pay for its
+        place in the batch: the cheapest extra batch token (up to ``most``) in single-token
+        passes. A step runs at no less than the target alone's rate, 1 / cost(1) tokens per
+        second, and a node adds its acceptance probability in tokens for the cost of one more
+        batch token, so below this no node pays. ~0.3 on this CPU, ~0 where batches are free."""
+        curve = self.target.curve
+        cheapest = min(curve(n + 1) - curve(n) for n in range(1, most))
+        return max(cheapest, 0.0) / curve(1)
 
     def ngram_scores(self, leaf_score: float, n: int) -> list[float]:
         """Scores to give ``n`` chained n-gram guesses below a leaf (their expected

@@ -229,6 +229,40 @@ STEEP = (1.0, 1.75, 2.24, 3.5, 5.3, 9.2)       # a 2-core CPU: a second token co
 CHEAP_DRAFT = (0.05, 0.06, 0.07, 0.09, 0.12, 0.2)
 
 
+def test_ngram_trees_grow_only_nodes_that_could_pay() -> None:
+    """Where a batch token costs a good share of a pass, an n-gram node whose calibrated
+    score is below that share is never expanded (its children score less still): fewer
+    n-gram queries, the same exact output. Where batches are free, the tree grows whole."""
+    from speculative.drafting import NgramDrafter, grow_tree, sparse_top
+    from speculative.planner import Planner
+
+    assert Planner(VerifyCost((1, 2, 4, 8, 16, 32), STEEP), None).least_worth() \
+        == pytest.approx((5.3 - 3.5) / 8)  # the cheapest extra token: between 8 and 16
+    assert Planner(VerifyCost((1, 2, 4, 8, 16, 32), FLAT), None).least_worth() < 0.02
+    grown = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        engine = _auto(curve, CHEAP_DRAFT)
+        engine.measure_cost()
+        params = SamplingParams()
+        budget = TreeBudget(24, 8, 3)
+        sizes = []
+        for prompt in PROMPTS[:8]:
+            ngram = NgramDrafter(engine.ngram, sparse_top(params, budget.max_children))
+            tree = grow_tree(ngram, prompt, budget, params, np.random.default_rng(0),
+                             engine._worth_growing()).tree
+            least = engine.planner.least_worth()
+            parents = {tree.parents[v] for v in range(1, len(tree))}
+            assert all(tree.scores[u] >= least for u in parents)  # only worthy nodes grew
+            sizes.append(len(tree))
+        grown[name] = sum(sizes)
+    assert grown["flat"] > grown["steep"]
+    for mode in (Mode.AUTO, Mode.NGRAM):
+        engine = _engine(mode)
+        engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+        for prompt in PROMPTS[:6]:
+            assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+
+
 def test_auto_drafts_what_the_cost_curve_pays_for_and_stays_exact() -> None:
     drafted = {}
     for name, curve in (("flat", FLAT), ("steep", STEEP)):
