@@ -340,11 +340,11 @@ class Engine:
         return self._right_size(ngram_tree, ngram, params), ngram
 
     def _worth_growing(self) -> Callable[[TokenTree, list[int], int], int]:
-        """``grow_tree``'s ``expand`` for the n-gram's trees in ``auto``: expand only the
-        frontier nodes whose calibrated score could still pay for a node of the batch (a
-        child scores at most its parent; ``Planner.least_worth``). Growing the whole tree cost
-        6-9 ms on new text here, against a 2-3 ms pass of the built-in target; most of it was
-        cut away."""
+        """``grow_tree``'s ``expand`` for the n-gram's trees (``auto``, adaptive ``ngram``):
+        expand only the frontier nodes whose calibrated score could still pay for a node of
+        the batch (a child scores at most its parent; ``Planner.least_worth``). Growing the
+        whole tree cost 6-9 ms on new text here, against a 2-3 ms pass of the built-in
+        target; most of it was cut away."""
         planner = self.planner
         assert planner is not None
         least = planner.least_worth() / self._calibrations["ngram"].factor
