@@ -386,8 +386,12 @@ class Engine:
                                budget.max_depth, baseline) > 0
                 and not planner.measured_loss("draft") and planner.may_try("draft"))
         if not pays:
+            # no probe where the n-gram's tree pays at this step: a short chain would not beat
+            # it, and would pay the draft's catching up on the text (on repetitive chat text,
+            # probes cost auto 6% against ngram)
             assert self.draft is not None
-            if not planner.explore(planner.probe_risk(self.draft.behind(committed), PROBE)):
+            if baseline > 0 or not planner.explore(
+                    planner.probe_risk(self.draft.behind(committed), PROBE)):
                 return DraftTree(TokenTree.rooted(committed[-1]), {})
             budget = _probe(budget)
         planner.drafted()

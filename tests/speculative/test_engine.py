@@ -284,6 +284,35 @@ def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
     assert sum(s.draft_calls for s in late) <= 0.2 * len(late)  # learned: mostly plain now
 
 
+def test_no_probe_of_the_draft_where_the_ngram_tree_pays() -> None:
+    """A probe is due (drafting measured a loss, EXPLORE_EVERY steps passed), but at a step
+    where the n-gram's own tree already pays (a baseline rate) a short chain could not beat
+    it: the draft does not run. Where the n-gram offers nothing, the probe runs."""
+    from speculative.drafting import ModelDrafter
+    from speculative.planner import EXPLORE_EVERY
+
+    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine.measure_cost()
+    planner = engine.planner
+    for _ in range(10):
+        planner.observe_step("root", 10, 0.1)
+        planner.observe_step("draft", 1, 0.1)
+    planner.regret = -100.0  # budget to spare: only the rule can stop the probe
+    assert planner.measured_loss("draft")
+    prompt, params = PROMPTS[4], SamplingParams()
+    budget = TreeBudget(24, 8, 3)
+    runs = []
+    for baseline in (50.0, 0.0):
+        planner.idle = EXPLORE_EVERY
+        drafter = ModelDrafter(engine.draft, None, 0)
+        tree = engine._maybe_draft(drafter, prompt, budget, params, np.random.default_rng(0),
+                                   engine._expander(budget), baseline)
+        engine.draft.rollback()
+        runs.append((len(tree.tree) - 1, drafter.counters.calls))
+    assert runs[0] == (0, 0)  # the n-gram pays: no draft call
+    assert runs[1][1] > 0 and 1 <= runs[1][0] <= 3  # nothing else pays: a probe of <= 3
+
+
 def test_auto_probes_with_a_short_chain_while_drafting_measures_a_loss() -> None:
     """The cost model says drafting pays (a flat curve), the measured step rates say it loses:
     auto runs the target alone, and explores with a chain of at most ``PROBE`` tokens, never
