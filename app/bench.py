@@ -8,9 +8,10 @@ What is measured, and how it stays fair:
 - **Speed** is generation tokens / generation seconds (prefill excluded, ``RunStats``), pooled
   over the prompts of one repeat; each **speedup** is that over ``plain``'s in the same repeat,
   and the report gives the median and the spread (min-max) over repeats.
-- **Sessions**: each mode's ``Planner`` (what ``auto`` measured of this machine and draft: its
-  step rates, the draft's confidence) lives across the prompts, as the engine lives across a
-  chat's turns; the n-gram model starts afresh each run (it would learn earlier repeats' text).
+- **Sessions**: what each mode's engine learned (``engine.Learned``: ``auto``'s planner, with
+  its step rates and budget, and the drafters' calibrations) lives across the prompts, as the
+  app's engine lives across a chat's turns; the n-gram model starts afresh each run (it would
+  learn earlier repeats' text).
 - **Ceiling** (greedy only): the ``oracle`` drafter knows plain decoding's output and costs
   nothing, so it shows the best any drafter could do on this machine's verification cost curve;
   each mode's ``ceiling_share`` is its speedup over the oracle's.
@@ -42,11 +43,10 @@ from typing import Any, TextIO
 from speculative.backend import ContextConfig, default_threads, peer_generate, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine, Learned, Mode, SpecConfig
 from speculative.loading import ModelPair, open_pair
 from speculative.ngram import KatzTrigram
 from speculative.oracle import OracleDrafter
-from speculative.planner import Planner
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 
@@ -156,10 +156,10 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
                 {m.value: [] for m in order})
     tokens = cell.prompts = [vocab.tokenize(p) for p in prompts]
     answers: dict[int, list[int]] = {}
-    # auto's planner (what it measured of this machine and draft) lives across the prompts, as
-    # in a chat session, where the engine lives across turns; the n-gram model does not (it
-    # would learn the answers of the earlier repeats)
-    planners: dict[Mode, Planner] = {}
+    # what each mode's engine learned (auto's planner, the drafters' calibrations) lives across
+    # the prompts, as in the app, where the engine lives across turns; the n-gram model does
+    # not (it would learn the answers of the earlier repeats)
+    planners: dict[Mode, Learned] = {}
     for m in order:  # warm-up: every mode once, untimed (graphs built, caches warm)
         _one(pair, spec, ngram_path, cost, m, tokens[0], min(16, args.max_tokens), params,
              answers.get(0), planners)
@@ -192,19 +192,19 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
 
 def _one(pair: ModelPair, spec: SpecConfig, ngram_path: Path | None, cost: tuple, mode: Mode,
          prompt: list[int], n: int, params: SamplingParams, answer: list[int] | None,
-         planners: dict[Mode, Planner]) -> tuple[list[int], RunStats]:
+         planners: dict[Mode, Learned]) -> tuple[list[int], RunStats]:
     # a fresh n-gram model per run, so that no mode learns from another's output
     ngram = KatzTrigram.load(ngram_path) if ngram_path is not None else None
     engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, dataclasses.replace(spec, mode=mode))
     engine.verify_cost, engine.draft_cost = cost
-    engine.planner = planners.get(mode)
+    if mode in planners:
+        engine.adopt(planners[mode])
     if mode is Mode.ORACLE:
         engine.oracle = OracleDrafter(answer or [], len(prompt), pair.target.vocab.n_vocab)
     run = RunStats()
     out = [t for step in engine.generate(prompt, n, params, stop={pair.target.vocab.eos},
                                          run=run) for t in step.tokens]
-    if engine.planner is not None:
-        planners[mode] = engine.planner
+    planners[mode] = engine.learned()
     return out, run
 
 

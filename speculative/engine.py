@@ -95,6 +95,17 @@ class Step:
     origins: list[str] = dataclasses.field(default_factory=list)  # per token: stats.ORIGINS
 
 
+@dataclasses.dataclass(slots=True)
+class Learned:
+    """What an engine measured of this machine and these models while it ran: ``auto``'s
+    planner and the calibrations of who drafts. An app keeps its engine, and so this, across
+    replies; a benchmark that makes an engine per reply hands it on (``Engine.adopt``)."""
+
+    planner: Planner | None
+    calibrations: dict[str, Calibration]
+    stage2: Calibration
+
+
 class Engine:
     """A target context, optionally a draft context and an n-gram model, and the loop."""
 
@@ -129,6 +140,14 @@ class Engine:
         self._guesses: tuple = ()  # auto: (path, n-gram chain) added below the best leaf
         # auto, greedy: the merged tree's nodes by path: whose calibration, raw score (_merge)
         self._merged: dict[tuple[int, ...], tuple[str, float]] | None = None
+
+    def learned(self) -> Learned:
+        return Learned(self.planner, self._calibrations, self._stage2)
+
+    def adopt(self, learned: Learned) -> None:
+        """Carry on from what another engine on the same models learned (``Learned``)."""
+        self.planner = learned.planner
+        self._calibrations, self._stage2 = learned.calibrations, learned.stage2
 
     def check(self, config: SpecConfig) -> None:
         if config.mode.needs_draft and self.draft is None:
