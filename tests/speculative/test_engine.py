@@ -417,3 +417,20 @@ def test_the_oracle_knows_the_answer_and_is_never_rejected() -> None:
         assert _generate(engine, prompt, 30, run=run) == answer
         assert all(s.accepted == s.drafted for s in run.steps)
         assert run.tau > 2
+
+
+def test_a_new_engine_carries_on_from_what_another_learned() -> None:
+    """The bench makes an engine per reply and hands on ``Learned``, as the app keeps its
+    engine: the planner (rates, budget) and the calibrations continue, and output stays exact."""
+    first = _auto(STEEP, CHEAP_DRAFT)
+    for prompt in PROMPTS[:3]:
+        _generate(first, prompt, 24)
+    learned = first.learned()
+    assert learned.planner is not None and learned.planner.elapsed > 0
+    second = _auto(STEEP, CHEAP_DRAFT)
+    second.adopt(learned)
+    assert second.planner is learned.planner
+    assert second._calibrations is learned.calibrations
+    elapsed = learned.planner.elapsed
+    assert _generate(second, PROMPTS[3], 24) == _plain(PROMPTS[3], 24)
+    assert second.planner.elapsed > elapsed  # the same planner went on measuring
