@@ -159,13 +159,13 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
     # what each mode's engine learned (auto's planner, the drafters' calibrations) lives across
     # the prompts, as in the app, where the engine lives across turns; the n-gram model does
     # not (it would learn the answers of the earlier repeats)
-    planners: dict[Mode, Learned] = {}
+    learned: dict[Mode, Learned] = {}
     for m in order:  # warm-up: every mode once, untimed (graphs built, caches warm)
         _one(pair, spec, ngram_path, cost, m, tokens[0], min(16, args.max_tokens), params,
-             answers.get(0), planners)
+             answers.get(0), learned)
         if m is Mode.PLAIN and greedy:
             answers[0] = _one(pair, spec, ngram_path, cost, m, tokens[0], args.max_tokens,
-                              params, None, planners)[0]
+                              params, None, learned)[0]
     for r in range(args.repeats):
         for m in order:
             cell.runs[m.value].append([])
@@ -181,7 +181,7 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
                 seeded = dataclasses.replace(params, seed=1000 * r + i) if not greedy else params
                 progress.tick(f"{sampling} {set_name} repeat {r + 1} prompt {i + 1}: {m.value}")
                 out, run = _one(pair, spec, ngram_path, cost, m, prompt, args.max_tokens,
-                                seeded, answers.get(i), planners)
+                                seeded, answers.get(i), learned)
                 if m is Mode.PLAIN and greedy:
                     answers[i] = out
                 cell.runs[m.value][r].append(run)
@@ -192,19 +192,19 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
 
 def _one(pair: ModelPair, spec: SpecConfig, ngram_path: Path | None, cost: tuple, mode: Mode,
          prompt: list[int], n: int, params: SamplingParams, answer: list[int] | None,
-         planners: dict[Mode, Learned]) -> tuple[list[int], RunStats]:
+         learned: dict[Mode, Learned]) -> tuple[list[int], RunStats]:
     # a fresh n-gram model per run, so that no mode learns from another's output
     ngram = KatzTrigram.load(ngram_path) if ngram_path is not None else None
     engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, dataclasses.replace(spec, mode=mode))
     engine.verify_cost, engine.draft_cost = cost
-    if mode in planners:
-        engine.adopt(planners[mode])
+    if mode in learned:
+        engine.adopt(learned[mode])
     if mode is Mode.ORACLE:
         engine.oracle = OracleDrafter(answer or [], len(prompt), pair.target.vocab.n_vocab)
     run = RunStats()
     out = [t for step in engine.generate(prompt, n, params, stop={pair.target.vocab.eos},
                                          run=run) for t in step.tokens]
-    planners[mode] = engine.learned()
+    learned[mode] = engine.learned()
     return out, run
 
 

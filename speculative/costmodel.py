@@ -10,8 +10,8 @@ what the target actually accepted so far. The best N maximises tokens per second
 
 A batch whose shape (tokens, sequences, outputs) differs from the context's previous batch also
 pays ``switch``: llama.cpp keeps the compute graph of the last batch only and builds a new one
-for a new shape (measured: 5 ms on a gpt2-large-shaped target whose pass takes 52 ms, 0.4 ms
-of the built-in target's 2-3 ms). Plain decoding never pays it; a step that alternates
+for a new shape (measured: 0.3-2 ms on a gpt2-large-shaped target whose pass takes 53 ms,
+0.2-0.3 ms of the built-in target's 2-3 ms). Plain decoding never pays it; a step that alternates
 between drafting and the target alone pays it twice. ``VerifyCost.after(last)`` prices each
 size as the step after a batch of ``last`` tokens sees it.
 
@@ -88,31 +88,30 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
     for n in sizes:
         times = []
         for _ in range(repeats + 1):  # the first decode of a new shape builds its graph
-            ctx.seq_rm(0, prefix, -1)
-            t0 = time.perf_counter()
-            ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
-            times.append(time.perf_counter() - t0)
+            times.append(_timed_decode(ctx, prefix, n))
         seconds.append(float(np.median(times[1:])))
     switch = _measure_switch(ctx, prefix, 2 * repeats + 2) if len(sizes) > 1 else 0.0
     ctx.clear()
     return VerifyCost(tuple(sizes), tuple(seconds), switch)
 
 
+def _timed_decode(ctx: Context, prefix: int, n: int) -> float:
+    """Seconds to decode n tokens after the first ``prefix`` (dropping any others first)."""
+    ctx.seq_rm(0, prefix, -1)
+    t0 = time.perf_counter()
+    ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
+    return time.perf_counter() - t0
+
+
 def _measure_switch(ctx: Context, prefix: int, pairs: int) -> float:
     """Seconds a one-token batch takes after a two-token one beyond what it takes after a
     one-token one (llama.cpp building a new graph): the median over ``pairs`` adjacent pairs,
     whose two timings share the machine's load of the moment."""
-    def one(n: int) -> float:
-        ctx.seq_rm(0, prefix, -1)
-        t0 = time.perf_counter()
-        ctx.decode([0] * n, list(range(prefix, prefix + n)), [[0]] * n, True)
-        return time.perf_counter() - t0
-
     differences = []
     for _ in range(pairs):
-        one(2)
-        after_other = one(1)
-        differences.append(after_other - one(1))
+        _timed_decode(ctx, prefix, 2)
+        after_other = _timed_decode(ctx, prefix, 1)
+        differences.append(after_other - _timed_decode(ctx, prefix, 1))
     return max(0.0, float(np.median(differences)))
 
 

@@ -125,6 +125,7 @@ class Planner:
     guess_every: int = EXPLORE_EVERY  # steps between n-gram explorations while they lose
     elapsed: float = 0.0  # seconds of all steps observed
     regret: float = 0.0   # their seconds beyond the target alone's for their tokens
+    least: float | None = None  # least_worth, once computed
 
     def explore(self, risk: float = 0.0) -> bool:
         """Draft this step although the estimates say it does not pay: they were made when the
@@ -264,15 +265,17 @@ class Planner:
                 best_n, best_rate = n, rate
         return best_n, best_rate
 
-    def least_worth(self, most: int = 32) -> float:
+    def least_worth(self) -> float:
         """The acceptance probability a drafted node needs at the very least to pay for its
-        place in the batch: the cheapest extra batch token (up to ``most``) in single-token
+        place in the batch: the cheapest extra batch token (up to 32) in single-token
         passes. A step runs at no less than the target alone's rate, 1 / cost(1) tokens per
         second, and a node adds its acceptance probability in tokens for the cost of one more
         batch token, so below this no node pays. ~0.3 on this CPU, ~0 where batches are free."""
-        curve = self.target.curve
-        cheapest = min(curve(n + 1) - curve(n) for n in range(1, most))
-        return max(cheapest, 0.0) / curve(1)
+        if self.least is None:  # the curve is fixed: once (it is asked at every n-gram step)
+            curve = self.target.curve
+            cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
+            self.least = max(cheapest, 0.0) / curve(1)
+        return self.least
 
     def ngram_scores(self, leaf_score: float, n: int) -> list[float]:
         """Scores to give ``n`` chained n-gram guesses below a leaf (their expected
