@@ -23,9 +23,10 @@ What is measured, and how it stays fair:
 - **Degenerate outputs** (a token repeated, mostly whitespace, a handful of words: see
   ``models.evaluate.judge``) are counted and warned about: speed on such text means little.
 - **Peers** (``--peers``): llama-cpp-python's own speculative path (``LlamaPromptLookupDecoding``)
-  and plain path on the same target, and with ``--native``, llama.cpp's C++ ``llama-bench`` and
-  ``llama-speculative`` on the same files (built on demand: ``app/native.py``). What cannot run
-  is reported with the reason.
+  and plain path on the same target, each in a process of its own (``app.peer``: a peer that
+  crashes is reported, and the benchmark goes on), and with ``--native``, llama.cpp's C++
+  ``llama-bench`` and ``llama-speculative`` on the same files (built on demand:
+  ``app/native.py``). What cannot run is reported with the reason.
 """
 
 from __future__ import annotations
@@ -40,7 +41,8 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from speculative.backend import ContextConfig, default_threads, peer_generate, system_info
+from app import peer
+from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
 from speculative.engine import Engine, Learned, Mode, SpecConfig
@@ -256,6 +258,11 @@ def _pooled(runs: list[RunStats]) -> RunStats:
                     t_prefill=sum(r.t_prefill for r in runs))
 
 
+# llama-cpp-python's own generation on the same target: plain, and its speculative path with
+# LlamaPromptLookupDecoding proposing 10 tokens (each in a process of its own: app.peer)
+PEERS = (("llama-cpp-python plain", 0), ("llama-cpp-python prompt lookup (10)", 10))
+
+
 def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Path | None,
               sets: dict[str, list[str]], config: ContextConfig) -> dict[str, Any]:
     """Other implementations on the same target, greedy: tokens/s, and what could not run."""
@@ -266,14 +273,17 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
     prompts = [p for ps in sets.values() for p in ps][:4]
     peers: dict[str, Any] = {}
     if args.peers:
-        for name, lookup in (("llama-cpp-python plain", 0),
-                             ("llama-cpp-python prompt lookup (10)", 10)):
-            tokens, seconds = 0, 0.0
-            for p in prompts:
-                out, sec = peer_generate(target, vocab.tokenize(p), args.max_tokens, threads,
-                                         pair.target_ctx.n_ctx, lookup)
-                tokens, seconds = tokens + max(0, len(out) - 1), seconds + sec
-            peers[name] = {"tokens_per_second": tokens / seconds if seconds else 0.0}
+        token_prompts = [vocab.tokenize(p) for p in prompts]
+        for name, lookup in PEERS:
+            argv = peer.command(target, token_prompts, args.max_tokens, threads,
+                                pair.target_ctx.n_ctx, lookup)
+            try:
+                result = peer.run_peer(argv)
+            except peer.PeerFailed as exc:
+                peers[name] = {"unavailable": f"peer failed on this host: {exc}"}
+                continue
+            seconds = result["seconds"]
+            peers[name] = {"tokens_per_second": result["tokens"] / seconds if seconds else 0.0}
     if args.native:
         try:
             native_tools(progress=lambda msg: print(msg, file=sys.stderr))

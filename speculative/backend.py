@@ -14,6 +14,7 @@ Why the context parameters are what they are (see ``../shared/PLATFORM-NOTES.md`
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import dataclasses
 import logging
@@ -22,7 +23,7 @@ import os
 import platform
 import struct
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -78,7 +79,33 @@ def _has_amx() -> bool:
     return "AMX_INT8 = 1" in info
 
 
+# Q8_0 crashes (SIGSEGV in ggml_backend_amx_mul_mat) in the AMX repacked kernels that llama.cpp
+# keeps in its extra buffer types; elsewhere (e.g. ARM) those buffers hold the fast kernels, so
+# they are turned off only on x86 CPUs with AMX. Read at every load (tests set it).
 _AMX = platform.machine().lower() in {"x86_64", "amd64"} and _has_amx()
+_llama_model_default_params = llama_cpp.llama_cpp.llama_model_default_params
+
+
+def host_model_params() -> llama_cpp.llama_model_params:
+    """llama.cpp's default model parameters with this host's rules applied: the starting point
+    of every model load, ours (``LlamaModel``) and the benchmark's peers (``peer_generate``)."""
+    params = _llama_model_default_params()
+    if _AMX:
+        _with_fields(params, use_extra_bufts=False)
+    return params
+
+
+@contextlib.contextmanager
+def _high_level_loads_with_host_rules() -> Iterator[None]:
+    """llama-cpp-python's ``Llama`` builds its model parameters from
+    ``llama_model_default_params()`` and has no argument for the extra buffer types: while this
+    is open, that function hands it ``host_model_params()``."""
+    module = llama_cpp.llama_cpp
+    module.llama_model_default_params = host_model_params
+    try:
+        yield
+    finally:
+        module.llama_model_default_params = _llama_model_default_params
 
 
 def default_threads() -> int:
@@ -370,16 +397,12 @@ class LlamaModel:
         if arch == "gpt2":
             check_gpt2_hparams(self.header, self.path.name)
         params = _with_fields(
-            llama_cpp.llama_model_default_params(), vocab_only=vocab_only,
+            host_model_params(), vocab_only=vocab_only,
             n_gpu_layers=gpu_layers if gpu_layers >= 0 else 1 << 30,
             # read the weights into memory rather than mapping the file (AUTO maps it): a mapped
             # file overwritten in place while loaded (a re-download, `cp` over it) kills the
             # process with SIGBUS at the next decode; a copy in memory does not care
             load_mode=llama_cpp.LLAMA_LOAD_MODE_NONE, lazy_mode=llama_cpp.LLAMA_LAZY_MODE_OFF)
-        # Q8_0 crashes in the AMX repacked kernels on this CPU family; elsewhere (e.g. ARM)
-        # the extra buffer types hold the fast kernels, so only turn them off where needed.
-        if _AMX:
-            _with_fields(params, use_extra_bufts=False)
         _take_errors()
         ptr = llama_cpp.llama_model_load_from_file(str(self.path).encode(), params)
         if not ptr:
@@ -627,9 +650,11 @@ def peer_generate(model_path: str | Path, prompt: Sequence[int], n_tokens: int, 
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
-    llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx, n_batch=max(64, n_ctx // 2),
-                          n_threads=n_threads, n_threads_batch=n_threads, flash_attn=False,
-                          draft_model=draft, verbose=False)
+    with _high_level_loads_with_host_rules():
+        llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx,
+                              n_batch=max(64, n_ctx // 2), n_threads=n_threads,
+                              n_threads_batch=n_threads, flash_attn=False, draft_model=draft,
+                              verbose=False)
     try:
         out: list[int] = []
         t0 = 0.0

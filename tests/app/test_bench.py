@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import re
+import sys
 
 from app.bench import load_prompts
 from app.cli import main
@@ -60,6 +62,33 @@ def test_bench_peers_run_llama_cpp_python_on_the_same_target(tiny_models, tmp_pa
     assert report["peers"]["llama-cpp-python plain"]["tokens_per_second"] > 0
     assert report["peers"]["llama-cpp-python prompt lookup (10)"]["tokens_per_second"] > 0
     assert "oracle" not in report["cells"][0]["modes"]
+
+
+def test_a_peer_that_crashes_is_reported_and_the_bench_goes_on(tiny_models, tmp_path, capsys,
+                                                               monkeypatch) -> None:
+    """A peer runs in a process of its own: when llama.cpp kills it (a crash in a CPU kernel),
+    the report says so and the other peers and the modes are still measured."""
+    from app import bench, peer
+
+    real = peer.command
+
+    def command(model, prompts, n_tokens, threads, n_ctx, prompt_lookup=0):
+        if prompt_lookup:  # this peer dies as a segfault in llama.cpp would end it
+            return [sys.executable, "-c", "import os, signal, sys; sys.stderr.write('in "
+                    "ggml_backend_amx_mul_mat\\n'); os.kill(os.getpid(), signal.SIGSEGV)"]
+        return real(model, prompts, n_tokens, threads, n_ctx, prompt_lookup)
+
+    monkeypatch.setattr(bench.peer, "command", command)
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1\n")
+    assert main(["bench", "--target", str(tiny_models["q8_0-target"]), "--mode", "ngram",
+                 "--prompts", str(prompts), "-n", "8", "--ctx", "256", "--threads", "1",
+                 "--repeats", "1", "--no-ceiling", "--peers"]) == 0
+    out = capsys.readouterr().out
+    assert re.search(r"llama-cpp-python plain: [0-9.]+ tok/s", out)
+    assert ("llama-cpp-python prompt lookup (10): could not run: peer failed on this host: "
+            "killed by SIGSEGV: in ggml_backend_amx_mul_mat") in out
+    assert re.search(r"^ngram +[0-9.]+ +[0-9.]+x", out, re.M)
 
 
 def test_bench_markdown_table(tiny_models, tmp_path, capsys) -> None:

@@ -160,3 +160,40 @@ def test_parameter_structs_refuse_unknown_fields() -> None:
     with pytest.raises(LlamaError, match="Params has no field 'use_mmap'"):
         _with_fields(params, use_mmap=False)
     assert _with_fields(params, load_mode=7).load_mode == 7
+
+
+def test_every_load_turns_extra_buffer_types_off_on_amx_hosts(tiny_models, monkeypatch) -> None:
+    """Q8_0 crashes in llama.cpp's AMX kernels unless the extra buffer types are off. Every
+    path that loads a model (ours, llama-cpp-python's high-level peer) must pass the host's
+    rule to llama.cpp; the rule is forced on here, so this runs on every host, and a load
+    that would crash an AMX host is refused before llama.cpp sees it."""
+    from speculative import backend
+
+    loads: list[tuple[str, bool]] = []
+    modules = (backend.llama_cpp, backend.llama_cpp.llama_cpp)
+    real = backend.llama_cpp.llama_cpp.llama_model_load_from_file
+
+    def load(path: bytes, params):  # what llama.cpp is asked to load, and how
+        loads.append((Path(path.decode()).name, bool(params.use_extra_bufts)))
+        if params.use_extra_bufts and not params.vocab_only:
+            raise AssertionError(f"{path!r} loaded with extra buffer types on an AMX host")
+        return real(path, params)
+
+    for module in modules:
+        monkeypatch.setattr(module, "llama_model_load_from_file", load)
+    monkeypatch.setattr(backend, "_AMX", True)
+    target = tiny_models["q8_0-target"]
+    with open_pair(target, tiny_models["q8_0-draft"], ContextConfig(n_threads=1, n_ctx=64)):
+        pass
+    LlamaModel(target, vocab_only=True).close()
+    out, _ = backend.peer_generate(target, [464, 2068], 3, 1, 64)
+    out_lookup, _ = backend.peer_generate(target, [464, 2068], 3, 1, 64, prompt_lookup=2)
+    assert out and out_lookup == out
+    assert [name for name, _ in loads] == [target.name, tiny_models["q8_0-draft"].name,
+                                           target.name, target.name, target.name]
+    assert not any(extra for _, extra in loads)
+    # the high-level loader's defaults are llama.cpp's own again after a peer ran
+    assert backend.llama_cpp.llama_cpp.llama_model_default_params().use_extra_bufts
+    # off an AMX host the extra buffer types stay on (they hold other CPUs' fast kernels)
+    monkeypatch.setattr(backend, "_AMX", False)
+    assert backend.host_model_params().use_extra_bufts
