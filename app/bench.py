@@ -45,10 +45,11 @@ from app import peer
 from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
-from speculative.engine import Engine, Learned, Mode, SpecConfig
+from speculative.engine import Engine, Learned
 from speculative.loading import ModelPair, open_pair
 from speculative.ngram import KatzTrigram
 from speculative.oracle import OracleDrafter
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 

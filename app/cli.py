@@ -20,10 +20,11 @@ from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import ContextConfig
 from speculative.divergence import explain
 from speculative.drafting import TreeBudget
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import open_pair
 from speculative.ngram import KatzTrigram
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 

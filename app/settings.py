@@ -17,7 +17,7 @@ from PySide6.QtCore import QSettings
 
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
-from speculative.engine import Mode, SpecConfig
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 
 log = logging.getLogger(__name__)

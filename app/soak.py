@@ -43,7 +43,7 @@ from models.catalog import builtin_pair
 from speculative import backend
 from speculative.backend import LlamaContext, LlamaModel
 from speculative.divergence import explain
-from speculative.engine import Mode
+from speculative.policies import Mode
 
 log = logging.getLogger(__name__)
 

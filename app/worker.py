@@ -32,10 +32,11 @@ from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import system_info
 from speculative.divergence import Divergence, explain
-from speculative.engine import Engine, Mode
+from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import ModelPair, open_pair
 from speculative.ngram import KatzTrigram
+from speculative.policies import Mode
 from speculative.stats import RunStats, StepStats
 
 log = logging.getLogger(__name__)

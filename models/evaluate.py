@@ -35,7 +35,8 @@ from typing import Any
 import numpy as np
 
 from speculative.backend import ContextConfig, LlamaContext, LlamaModel, Vocabulary
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "eval_prompts.txt"

@@ -14,11 +14,12 @@ import pytest
 from app.cli import main as cli_main
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
-from speculative.engine import Engine, Mode, SpecConfig, Step
+from speculative.engine import Engine, Step
 from speculative.errors import ContextOverflow, PromptTooLong
 from speculative.kvtree import COMMIT, KVTree
 from speculative.loading import ModelPair, open_pair
 from speculative.ngram import KatzTrigram
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from tests.fakes import FakeContext, logit_table, noisy, plain_greedy
 

@@ -9,7 +9,8 @@ import pytest
 
 from speculative.backend import ContextConfig, LlamaContext, LlamaModel
 from speculative.divergence import AS_PLAIN, explain, first_difference
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
+from speculative.policies import Mode, SpecConfig
 from tests.fakes import FakeContext, logit_table, plain_greedy, table_logits
 
 V = 12

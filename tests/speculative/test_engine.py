@@ -8,10 +8,11 @@ import pytest
 
 from speculative.costmodel import VerifyCost
 from speculative.drafting import TreeBudget
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
 from speculative.errors import IncompatibleModels, PromptTooLong
 from speculative.ngram import KatzTrigram
 from speculative.oracle import OracleDrafter
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 from tests.fakes import FakeContext, logit_table, noisy
@@ -24,6 +25,9 @@ BUDGETS = [TreeBudget(1, 1, 1), TreeBudget(4, 3, 2), TreeBudget(8, 5, 3), TreeBu
 
 
 DEFAULT_BUDGET = TreeBudget()
+FLAT = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4)        # a GPU: 32 tokens cost little more than one
+STEEP = (1.0, 1.75, 2.24, 3.5, 5.3, 9.2)       # a 2-core CPU: a second token costs 0.75
+CHEAP_DRAFT = (0.05, 0.06, 0.07, 0.09, 0.12, 0.2)
 
 
 def _engine(mode: Mode, budget: TreeBudget = DEFAULT_BUDGET, n_ctx: int = 64,
@@ -217,190 +221,6 @@ def test_tree_larger_than_the_target_batch_is_refused() -> None:
         list(engine.generate([1], 5))
 
 
-def _auto(target_cost: tuple, draft_cost: tuple, draft: np.ndarray = DRAFT) -> Engine:
-    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), draft=draft)
-    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), target_cost)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), draft_cost)
-    return engine
-
-
-FLAT = (1.0, 1.02, 1.05, 1.1, 1.2, 1.4)        # a GPU: 32 tokens cost little more than one
-STEEP = (1.0, 1.75, 2.24, 3.5, 5.3, 9.2)       # a 2-core CPU: a second token costs 0.75
-CHEAP_DRAFT = (0.05, 0.06, 0.07, 0.09, 0.12, 0.2)
-
-
-def test_ngram_trees_grow_only_nodes_that_could_pay() -> None:
-    """Where a batch token costs a good share of a pass, an n-gram node whose calibrated
-    score is below that share is never expanded (its children score less still): fewer
-    n-gram queries, the same exact output. Where batches are free, the tree grows whole."""
-    from speculative.drafting import NgramDrafter, grow_tree, sparse_top
-    from speculative.planner import Planner
-
-    assert Planner(VerifyCost((1, 2, 4, 8, 16, 32), STEEP), None).least_worth() \
-        == pytest.approx((5.3 - 3.5) / 8)  # the cheapest extra token: between 8 and 16
-    assert Planner(VerifyCost((1, 2, 4, 8, 16, 32), FLAT), None).least_worth() < 0.02
-    grown = {}
-    for name, curve in (("flat", FLAT), ("steep", STEEP)):
-        engine = _auto(curve, CHEAP_DRAFT)
-        engine.measure_cost()
-        params = SamplingParams()
-        budget = TreeBudget(24, 8, 3)
-        sizes = []
-        for prompt in PROMPTS[:8]:
-            ngram = NgramDrafter(engine.ngram, sparse_top(params, budget.max_children))
-            tree = grow_tree(ngram, prompt, budget, params, np.random.default_rng(0),
-                             engine._worth_growing()).tree
-            least = engine.planner.least_worth()
-            parents = {tree.parents[v] for v in range(1, len(tree))}
-            assert all(tree.scores[u] >= least for u in parents)  # only worthy nodes grew
-            sizes.append(len(tree))
-        grown[name] = sum(sizes)
-    assert grown["flat"] > grown["steep"]
-    for mode in (Mode.AUTO, Mode.NGRAM):
-        engine = _engine(mode)
-        engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
-        for prompt in PROMPTS[:6]:
-            assert _generate(engine, prompt, 24) == _plain(prompt, 24)
-
-
-def test_auto_drafts_what_the_cost_curve_pays_for_and_stays_exact() -> None:
-    drafted = {}
-    for name, curve in (("flat", FLAT), ("steep", STEEP)):
-        engine = _auto(curve, CHEAP_DRAFT)
-        run = RunStats()
-        for prompt in PROMPTS[:8]:
-            assert _generate(engine, prompt, 24, run=run) == _plain(prompt, 24), name
-        drafted[name] = run.mean_drafted
-    assert drafted["flat"] > 2 * drafted["steep"] > 0
-
-
-def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
-    useless = noisy(TARGET, seed=11, noise=50.0)  # its guesses are nearly never the target's
-    engine = _auto(STEEP, (0.5, 0.8, 1.1, 1.8, 3.0, 5.5), draft=useless)
-    run = RunStats()
-    for prompt in PROMPTS[:10]:
-        assert _generate(engine, prompt, 24, run=run) == _plain(prompt, 24)
-    late = run.steps[len(run.steps) // 2:]
-    assert sum(s.draft_calls for s in late) <= 0.2 * len(late)  # learned: mostly plain now
-
-
-def test_no_probe_of_the_draft_where_the_ngram_tree_pays() -> None:
-    """A probe is due (drafting measured a loss, EXPLORE_EVERY steps passed), but at a step
-    where the n-gram's own tree already pays (a baseline rate) a short chain could not beat
-    it: the draft does not run. Where the n-gram offers nothing, the probe runs."""
-    from speculative.drafting import ModelDrafter
-    from speculative.planner import EXPLORE_EVERY
-
-    engine = _auto(STEEP, CHEAP_DRAFT)
-    engine.measure_cost()
-    planner = engine.planner
-    for _ in range(10):
-        planner.observe_step("root", 10, 0.1)
-        planner.observe_step("draft", 1, 0.1)
-    planner.regret = -100.0  # budget to spare: only the rule can stop the probe
-    assert planner.measured_loss("draft")
-    prompt, params = PROMPTS[4], SamplingParams()
-    budget = TreeBudget(24, 8, 3)
-    runs = []
-    for baseline in (50.0, 0.0):
-        planner.idle = EXPLORE_EVERY
-        drafter = ModelDrafter(engine.draft, None, 0)
-        tree = engine._maybe_draft(drafter, prompt, budget, params, np.random.default_rng(0),
-                                   engine._expander(budget), baseline)
-        engine.draft.rollback()
-        runs.append((len(tree.tree) - 1, drafter.counters.calls))
-    assert runs[0] == (0, 0)  # the n-gram pays: no draft call
-    assert runs[1][1] > 0 and 1 <= runs[1][0] <= 3  # nothing else pays: a probe of <= 3
-
-
-def test_auto_probes_with_a_short_chain_while_drafting_measures_a_loss() -> None:
-    """The cost model says drafting pays (a flat curve), the measured step rates say it loses:
-    auto runs the target alone, and explores with a chain of at most ``PROBE`` tokens, never
-    a full tree (verified at the steep end of a real curve, one costs several passes)."""
-    from speculative.engine import PROBE
-    from speculative.planner import EXPLORE_EVERY, Planner
-
-    class Measured(Planner):  # the rates stay as planted: drafting measured 10x slower
-        def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
-            pass
-
-    engine = _auto(FLAT, CHEAP_DRAFT)
-    planner = engine.planner = Measured(engine.verify_cost, engine.draft_cost)
-    for _ in range(10):
-        Planner.observe_step(planner, "root", 10, 0.1)
-        Planner.observe_step(planner, "draft", 1, 0.1)
-    assert planner.measured_loss("draft")
-    for prompt in PROMPTS[:5]:  # greedy: exact (the probes get n-gram guesses hung below)
-        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
-    run = RunStats()
-    for i, prompt in enumerate(PROMPTS[:10]):  # sampled: the tree is the draft's alone
-        _generate(engine, prompt, 24, params=SamplingParams(1.0, 0, 1.0, i), run=run)
-    probes = [s for s in run.steps if s.draft_calls]
-    # one at each reply's start (Planner.new_text), then one per EXPLORE_EVERY steps at most
-    assert 1 <= len(probes) <= 10 + len(run.steps) // EXPLORE_EVERY
-    assert all(s.drafted <= PROBE for s in probes)
-
-
-def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
-    from speculative.drafting import DraftCounters, DraftTree, NgramDrafter
-    from speculative.tree import TokenTree
-
-    engine = _auto(FLAT, CHEAP_DRAFT)
-    engine._calibrations["draft"].add(3, 4.0)     # the draft: 0.75 of what it predicts
-    engine._calibrations["branches"].add(1, 4.0)  # n-gram branches beside it: 0.25
-    draft = TokenTree.rooted(7)
-    a = draft.add(0, 1, 0.8, "draft")
-    draft.add(a, 2, 0.6, "draft")
-    draft.add(0, 3, 0.1, "draft")
-    ngram = TokenTree.rooted(7)
-    b = ngram.add(0, 1, 0.5, "ngram")   # the draft's path too: keeps the draft's estimate
-    ngram.add(b, 4, 0.4, "ngram")       # a branch beside the draft's 2
-    ngram.add(0, 5, 0.3, "ngram")       # a branch beside the draft's 1 and 3
-
-    class Counted:
-        counters = DraftCounters()
-
-    merged = engine._merge(DraftTree(draft, {}), DraftTree(ngram, {}), Counted(),
-                           NgramDrafter(engine.ngram), TreeBudget(24, 8, 3)).tree
-    estimates = {merged.path(v): merged.scores[v] for v in range(1, len(merged))}
-    assert estimates == pytest.approx({(1,): 0.6, (1, 2): 0.45, (3,): 0.075,
-                                       (1, 4): 0.1, (5,): 0.075})
-    assert {merged.origins[v] for v in range(1, len(merged))
-            if merged.path(v) in ((1, 4), (5,))} == {"ngram"}
-    capped = engine._merge(DraftTree(draft, {}), DraftTree(ngram, {}), Counted(),
-                           NgramDrafter(engine.ngram), TreeBudget(2, 8, 3)).tree
-    assert len(capped) - 1 == 2  # never more nodes than the target's batch was sized for
-
-
-def test_auto_greedy_verifies_ngram_branches_beside_the_draft_and_stays_exact() -> None:
-    """A flat cost curve (a GPU), a noisy draft and an n-gram model that knows the target's
-    text: the merged trees' n-gram branches are verified, some accepted, every reply exact.
-    (The fakes' step rates are not measured: their Python overhead would make every kind of
-    drafting lose to the target alone, see Planner.measured_loss.)"""
-    from speculative.planner import Planner
-
-    class Unmeasured(Planner):
-        def observe_step(self, kind: str, tokens: int, seconds: float) -> None:
-            pass
-
-    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]  # knows some of the text
-    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
-    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
-    engine.planner = Unmeasured(engine.verify_cost, engine.draft_cost)
-    for prompt in PROMPTS[:10]:
-        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
-    branches = engine._calibrations["branches"]
-    assert branches.predicted > 0 and branches.accepted > 0
-
-
-def test_auto_without_a_draft_model_uses_the_ngram_model() -> None:
-    ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
-    engine = Engine(FakeContext(TARGET), None, ngram, SpecConfig(mode=Mode.AUTO))
-    for prompt in PROMPTS[:5]:
-        assert _generate(engine, prompt, 16) == _plain(prompt, 16)
-
-
 def test_the_oracle_knows_the_answer_and_is_never_rejected() -> None:
     engine = _engine(Mode.ORACLE, TreeBudget(8, 8, 1))
     # a fixed curve: the fakes' own timings are microseconds of Python, linear in the batch,
@@ -417,20 +237,3 @@ def test_the_oracle_knows_the_answer_and_is_never_rejected() -> None:
         assert _generate(engine, prompt, 30, run=run) == answer
         assert all(s.accepted == s.drafted for s in run.steps)
         assert run.tau > 2
-
-
-def test_a_new_engine_carries_on_from_what_another_learned() -> None:
-    """The bench makes an engine per reply and hands on ``Learned``, as the app keeps its
-    engine: the planner (rates, budget) and the calibrations continue, and output stays exact."""
-    first = _auto(STEEP, CHEAP_DRAFT)
-    for prompt in PROMPTS[:3]:
-        _generate(first, prompt, 24)
-    learned = first.learned()
-    assert learned.planner is not None and learned.planner.elapsed > 0
-    second = _auto(STEEP, CHEAP_DRAFT)
-    second.adopt(learned)
-    assert second.planner is learned.planner
-    assert second._calibrations is learned.calibrations
-    elapsed = learned.planner.elapsed
-    assert _generate(second, PROMPTS[3], 24) == _plain(PROMPTS[3], 24)
-    assert second.planner.elapsed > elapsed  # the same planner went on measuring

@@ -3,15 +3,14 @@ llama.cpp decoding of tiny generated GGUF models (F16 and Q8_0)."""
 
 from __future__ import annotations
 
-import math
-
 import numpy as np
 import pytest
 
 from speculative.backend import ContextConfig, LlamaContext
 from speculative.drafting import TreeBudget
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
 from speculative.loading import open_pair
+from speculative.policies import Mode, SpecConfig
 
 PROMPTS = [
     "def fibonacci(n):\n", "import os\nimport sys\n", "class Stack:\n    def __init__(self):",
@@ -138,73 +137,3 @@ def test_cache_matches_decoding_from_scratch(tiny_models, corpus_ngram) -> None:
         assert np.abs(logits[-1] - scratch[-1]).max() < 1e-2
         assert int(np.argmax(logits[-1])) == int(np.argmax(scratch[-1]))
         fresh.close()
-
-
-def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
-    """Steps of a kind not yet measured faster than the target alone may run only while the
-    time lost so far (regret) is under EXPLORE_SHARE of the time spent; a proven kind runs
-    regardless, and its gains fund later explorations."""
-    from speculative.costmodel import VerifyCost
-    from speculative.planner import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, Planner
-
-    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(curve, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8)))
-    start = EXPLORE_SHARE * EXPLORE_START  # plain steps' time a fresh planner may lose
-    assert planner.within_budget(0.9 * start) and not planner.within_budget(1.1 * start)
-    for _ in range(10):
-        planner.observe_step("root", 1, 1.0)  # the target alone: 1 token per second
-    planner.observe_step("draft", 1, 1.0 + 1.2 * start)  # a probe that lost more than that
-    assert planner.regret == pytest.approx(1.2 * start)
-    assert not planner.may_try("draft") and not planner.may_try("guesses")
-    planner.idle = EXPLORE_EVERY
-    assert not planner.explore()  # due, but not affordable
-    waited = 0
-    while not planner.within_budget():  # time spent without losing refills the budget
-        planner.observe_step("root", 1, 1.0)
-        waited += 1
-    # until the loss beyond the start allowance, 0.2 * start, is EXPLORE_SHARE of the time
-    # spent, of which 11 s + 1.2 * start had passed before
-    assert waited == math.ceil(0.2 * start / EXPLORE_SHARE - (11 + 1.2 * start))
-    # a probe's risk counts: the draft catching up on 100 tokens costs more than is left
-    assert planner.probe_risk(100, 3) > planner.probe_risk(0, 3) > 0
-    assert not planner.explore(planner.probe_risk(100, 3))
-    for _ in range(5):  # n-gram trees measured at 3 tokens per second: proven, they run
-        planner.observe_step("guesses", 3, 1.0)
-    assert planner.may_try("guesses") and planner.regret < 0  # and their gain is budget
-
-
-def test_a_kind_of_step_measured_slower_than_the_target_alone_is_not_taken() -> None:
-    from speculative.costmodel import VerifyCost
-    from speculative.planner import EXPLORE_EVERY, Planner
-
-    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(curve, curve)
-    assert not planner.measured_loss("draft")  # nothing measured: the model decides
-    assert not planner.wants_root()
-    for _ in range(4):  # decayed: 1 + 0.95 + 0.95**2 + 0.95**3 >= MIN_STEPS
-        planner.observe_step("draft", 2, 0.04)
-    assert planner.wants_root()  # drafting measured, the target alone not yet
-    for _ in range(5):
-        planner.observe_step("root", 1, 0.01)      # 100 tokens/s alone
-        planner.observe_step("draft", 2, 0.04)     # 50 tokens/s with the draft
-        planner.observe_step("guesses", 3, 0.02)   # 150 tokens/s with n-gram guesses
-    assert planner.measured_loss("draft") and not planner.measured_loss("guesses")
-    for _ in range(5):
-        planner.observe_step("guesses", 1, 0.05)
-    assert planner.measured_loss("guesses")
-    # explored, not abandoned; each exploration that still loses doubles the wait
-    allowed = [planner.guesses_allowed() for _ in range(7 * EXPLORE_EVERY)]
-    explored = [i + 1 for i, a in enumerate(allowed) if a]
-    assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]
-    for _ in range(20):  # the n-gram wins again: the next exploration resets the wait
-        planner.observe_step("guesses", 4, 0.02)
-    allowed = [planner.guesses_allowed() for _ in range(2 * EXPLORE_EVERY)]
-    assert all(allowed)
-    # the draft model backs off the same way while it loses
-    planner.idle, waits, last = 0, [], 0
-    for step in range(1, 16 * EXPLORE_EVERY):
-        if planner.explore():
-            planner.drafted()
-            waits.append(step - last)
-            last = step
-    assert waits[:4] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY]

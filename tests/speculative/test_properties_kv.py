@@ -11,10 +11,11 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 
 from speculative.drafting import TreeBudget
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
 from speculative.errors import ContextOverflow
 from speculative.kvtree import COMMIT, KVTree, Parent
 from speculative.ngram import KatzTrigram
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.tree import TokenTree
 from tests.fakes import FakeContext, logit_table, noisy, plain_greedy, table_logits

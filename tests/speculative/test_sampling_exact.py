@@ -18,8 +18,9 @@ import pytest
 
 from speculative.costmodel import VerifyCost, best_size
 from speculative.drafting import DraftCounters, TreeBudget, grow_tree
-from speculative.engine import Engine, Mode, SpecConfig
+from speculative.engine import Engine
 from speculative.ngram import KatzTrigram
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams, distribution, sample_without_replacement
 from speculative.verify import verify_sampling
 from tests.fakes import FakeContext, logit_table, noisy, table_logits

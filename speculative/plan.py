@@ -1,0 +1,101 @@
+"""What one step will verify, and what the engine learns from its verdict.
+
+A mode's policy (``speculative.policies``, ``speculative.auto``) turns the committed text into a
+``StepPlan``: the token tree to verify, the drafter that decoded it (told what was accepted, so
+its cache follows), the kind of step, and who scored each node. The engine verifies the plan's
+tree in one target pass and hands the verdict back to the policy; nothing about a step travels
+between methods outside its plan.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+from collections.abc import Mapping
+
+from .costmodel import Calibration
+from .drafting import DraftCounters, Drafter, DraftTree
+from .tree import TokenTree
+
+Path = tuple[int, ...]
+
+
+class StepKind(enum.Enum):
+    """What a step tried (whatever the final cut then kept), for ``auto``'s measured rates."""
+
+    ROOT = "root"        # the target alone
+    GUESSES = "guesses"  # the n-gram model's tree, no draft model
+    DRAFT = "draft"      # the draft model ran
+
+
+class Scorer(enum.Enum):
+    """Whose probabilities a node's score is; each has its own calibration (``Calibrations``)."""
+
+    DRAFT = "draft"        # a draft model's path probability (the oracle's count as these)
+    NGRAM = "ngram"        # the n-gram model's, in a tree of its own
+    BRANCHES = "branches"  # the n-gram model's, on a branch merged beside a draft tree
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepPlan:
+    """One step's tree and what to learn from its verdict. Immutable once made."""
+
+    tree: DraftTree            # what the target verifies (a lone root: the target alone)
+    drafter: Drafter | None    # told the accepted path (its KV cache follows the text)
+    kind: StepKind
+    # the calibrations this step updates, and each calibrated node's (scorer, raw score) by
+    # path below the root; a calibration with no node here still learns that nothing was
+    # predicted (it decays)
+    calibrates: frozenset[Scorer] = frozenset()
+    scored: Mapping[Path, tuple[Scorer, float]] = dataclasses.field(default_factory=dict)
+    # auto's n-gram chain hung below a drafted path: (that path, the chain's tokens)
+    guesses: tuple[Path, Path] | None = None
+
+    @property
+    def counters(self) -> DraftCounters:
+        """What drafting cost (the drafter's; none for the target alone)."""
+        return self.drafter.counters if self.drafter is not None else DraftCounters()
+
+    @classmethod
+    def alone(cls, root: int, drafter: Drafter | None = None,
+              calibrates: frozenset[Scorer] = frozenset()) -> StepPlan:
+        """The target alone: a lone root. (A drafter that was begun still hears the verdict.)"""
+        return cls(DraftTree(TokenTree.rooted(root), {}), drafter, StepKind.ROOT, calibrates)
+
+    @classmethod
+    def scored_by(cls, tree: DraftTree, drafter: Drafter, kind: StepKind, scorer: Scorer,
+                  skip: frozenset[int] = frozenset(), guesses: tuple[Path, Path] | None = None,
+                  ) -> StepPlan:
+        """A tree whose nodes ``scorer`` scored, all but the node ids in ``skip``."""
+        t = tree.tree
+        scored = {t.path(v): (scorer, t.scores[v]) for v in range(1, len(t)) if v not in skip}
+        return cls(tree, drafter, kind, frozenset({scorer}), scored, guesses)
+
+
+@dataclasses.dataclass(slots=True)
+class Calibrations:
+    """Accepted tokens over predicted ones, by scorer, and stage 2's used over proposed guesses:
+    what the cost model multiplies scores by to estimate acceptance."""
+
+    by_scorer: dict[Scorer, Calibration] = dataclasses.field(
+        default_factory=lambda: {s: Calibration() for s in Scorer})
+    stage2: Calibration = dataclasses.field(default_factory=Calibration)
+
+    def factor(self, scorer: Scorer) -> float:
+        return self.by_scorer[scorer].factor
+
+    def observe(self, plan: StepPlan, accepted_nodes: list[int]) -> None:
+        """Each calibration the plan names learns its nodes' hits and summed raw scores."""
+        tree = plan.tree.tree
+        kept = set(accepted_nodes)
+        totals = {s: [0, 0.0] for s in plan.calibrates}
+        for v in range(1, len(tree)):
+            entry = plan.scored.get(tree.path(v))
+            if entry is not None and entry[0] in totals:
+                totals[entry[0]][0] += v in kept
+                totals[entry[0]][1] += entry[1]
+        for scorer, (hits, predicted) in totals.items():
+            self.by_scorer[scorer].add(hits, predicted)
+        counters = plan.counters
+        if counters.stage2_proposed:
+            self.stage2.add(counters.stage2_used, counters.stage2_proposed)

@@ -1,0 +1,264 @@
+"""Each mode's policy: from the committed text to a ``StepPlan``, and learning from its verdict.
+
+Every policy drafts with the engine's ``Resources`` (the target's and draft's caches, the n-gram
+model, the measured cost curves, the calibrations) and returns an immutable plan; the engine
+verifies it and calls ``observe``. ``auto``'s policy lives in ``speculative.auto``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import enum
+import time
+from collections.abc import Sequence
+from typing import TYPE_CHECKING, Protocol
+
+import numpy as np
+
+from .costmodel import VerifyCost, best_size, guess_length
+from .drafting import (
+    Drafter,
+    DraftTree,
+    Expand,
+    ModelDrafter,
+    NgramDrafter,
+    TreeBudget,
+    grow_tree,
+    sparse_top,
+)
+from .kvtree import KVTree
+from .ngram import KatzTrigram
+from .oracle import OracleDrafter
+from .plan import Calibrations, Scorer, StepKind, StepPlan
+from .sampling import SamplingParams
+from .sizing import Sizer
+from .tree import TokenTree
+
+if TYPE_CHECKING:
+    from .auto import Planner
+
+
+class Mode(str, enum.Enum):
+    PLAIN = "plain"    # the target alone: the baseline every speedup is measured against
+    CHAIN = "chain"    # standard speculative decoding: a chain of draft tokens
+    TREE = "tree"      # stage 1: a draft tree verified in one pass
+    STAGED = "staged"  # stages 1 + 2: the tree's draft model sped up by the n-gram model
+    NGRAM = "ngram"    # the n-gram model drafts a tree for the target directly
+    AUTO = "auto"      # each step drafts as much as pays on this machine (speculative.auto)
+    ORACLE = "oracle"  # the benchmark's ceiling: a free drafter that knows the answer
+
+    @property
+    def needs_draft(self) -> bool:
+        return self in (Mode.CHAIN, Mode.TREE, Mode.STAGED)
+
+    @classmethod
+    def selectable(cls) -> list[Mode]:
+        """The modes a user can run (the oracle needs the text in advance: benchmarks only)."""
+        return [m for m in cls if m is not Mode.ORACLE]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class SpecConfig:
+    mode: Mode = Mode.AUTO
+    tree: TreeBudget = dataclasses.field(default_factory=TreeBudget)  # tree, staged, ngram
+    chain_length: int = 4            # chain mode: draft tokens per target pass
+    lookahead: int = 4               # stage 2: n-gram tokens decoded ahead in each draft batch
+    adaptive: bool = True            # size each tree by measured verify cost (see sizing)
+
+    def budget(self) -> TreeBudget | None:
+        if self.mode is Mode.PLAIN:
+            return None
+        if self.mode is Mode.CHAIN:
+            k = self.chain_length
+            return TreeBudget(max_nodes=k, max_depth=k, max_children=1)
+        if self.mode is Mode.ORACLE:  # a chain as long as the tree budget allows
+            return TreeBudget(self.tree.max_nodes, self.tree.max_nodes, 1)
+        return self.tree
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class StepInput:
+    """What a policy plans a step from."""
+
+    committed: list[int]        # the text so far; its last token is the tree's root
+    config: SpecConfig          # this step's settings (they may change between steps)
+    budget: TreeBudget | None   # the tree allowed here (fitted to the window); None: plain
+    params: SamplingParams
+    rng: np.random.Generator
+
+    @property
+    def root(self) -> int:
+        return self.committed[-1]
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Outcome:
+    """A verified step, as its policy learns from it."""
+
+    accepted_nodes: list[int]   # tree nodes of the accepted path, root-most first
+    accepted: tuple[int, ...]   # their tokens
+    emitted: int                # tokens the step added
+    seconds: float              # the whole step
+
+
+@dataclasses.dataclass(slots=True)
+class Resources:
+    """What every policy drafts with and learns into; an engine owns one."""
+
+    target: KVTree
+    draft: KVTree | None
+    ngram: KatzTrigram
+    calibrations: Calibrations = dataclasses.field(default_factory=Calibrations)
+    verify_cost: VerifyCost | None = None  # the target's curve, measured on first use
+    draft_cost: VerifyCost | None = None   # the draft's, for stage-2 guess lengths
+    sizer: Sizer | None = None             # made once the curves are measured
+    planner: Planner | None = None         # auto's measured step rates (made with the sizer)
+    oracle: OracleDrafter | None = None    # Mode.ORACLE's drafter (benchmarks)
+    # the last step's node scores and drafting time, by scorer (sampled steps are sized by these)
+    previous: dict[Scorer, tuple[list[float], float]] = dataclasses.field(default_factory=dict)
+    ngram_fed: list[int] = dataclasses.field(default_factory=list)
+
+    def feed_ngram(self, committed: Sequence[int]) -> None:
+        """Teach the n-gram model the conversation (only what it has not seen yet). Called
+        where a step is about to use the model, not after every step: plain decoding and
+        ``auto``'s steps with the target alone never pay for it."""
+        fed = self.ngram_fed
+        if list(committed[:len(fed)]) != fed:
+            fed = self.ngram_fed = []
+        if len(committed) > len(fed):
+            self.ngram.update_continued(fed, list(committed[len(fed):]))
+            self.ngram_fed = list(committed)
+
+    def model_drafter(self, config: SpecConfig, staged: bool) -> ModelDrafter:
+        """The draft model, with the n-gram model's stage-2 guesses when ``staged``, each guess
+        only where it is worth its place in the draft batch (adaptive)."""
+        assert self.draft is not None
+        lookahead = self.ngram if staged else None
+        if not (config.adaptive and self.draft_cost is not None and lookahead is not None):
+            return ModelDrafter(self.draft, lookahead, config.lookahead)
+        cost, hit_rate = self.draft_cost, self.calibrations.stage2.factor
+
+        def worth(batch: int, most: int) -> int:  # guess tokens worth their draft cost
+            return guess_length(cost, batch, most, hit_rate)
+
+        return ModelDrafter(self.draft, lookahead, config.lookahead, worth)
+
+    def ngram_drafter(self, params: SamplingParams, budget: TreeBudget) -> NgramDrafter:
+        # greedy trees need each node's best children only (cheap from the n-gram)
+        return NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
+
+    def expander(self, budget: TreeBudget) -> Expand:
+        """``grow_tree``'s ``expand`` for a draft model: how many frontier nodes the next draft
+        batch takes, as many as pay on the measured cost curves (``Sizer.expand``)."""
+        sizer = self.sizer
+        assert sizer is not None
+        calibration = self.calibrations.factor(Scorer.DRAFT)
+        t0 = time.perf_counter()
+
+        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
+            # the draft's confidence in each new node's best child, for the next decisions
+            sizer.observe([tree.scores[v] / tree.scores[tree.parents[v]] for v in frontier
+                           if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
+            return sizer.expand([tree.scores[v] for v in frontier], tree.scores[1:],
+                                time.perf_counter() - t0, calibration, budget.max_depth - depth)
+
+        return expand
+
+    def worth_growing(self) -> Expand:
+        """``grow_tree``'s ``expand`` for the n-gram's trees: expand only the frontier nodes
+        whose calibrated score could still pay for a node of the batch (a child scores at
+        most its parent; ``Sizer.least_worth``). Most of a whole tree would be cut away, and
+        on new text its nodes' answers are not cached."""
+        assert self.sizer is not None
+        least = self.sizer.least_worth() / self.calibrations.factor(Scorer.NGRAM)
+
+        def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
+            return sum(tree.scores[v] >= least for v in frontier)  # best first
+
+        return expand
+
+    def right_size(self, draft: DraftTree, scorer: Scorer, t_draft: float,
+                   params: SamplingParams) -> DraftTree:
+        """Cut the tree to the size that maximises expected tokens per second (costmodel).
+        Greedy: by this step's own scores; sampled: by the last step's of the same scorer
+        (independent of this step's draws, which keeps the verified tree's shape free of
+        them)."""
+        scores = draft.scores()
+        basis, t_basis = ((scores, t_draft) if params.greedy
+                          else self.previous.get(scorer, ([], 0.0)))
+        self.previous[scorer] = (scores, t_draft)
+        if not basis:
+            return draft
+        return self.cut(draft, basis, t_basis, self.calibrations.factor(scorer))
+
+    def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
+            most: int | None = None) -> DraftTree:
+        """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
+        least 1, at most ``most``)."""
+        # the curve alone, not priced by the last batch's shape: a tree's size settles over
+        # steps, and a step that paid to change it would keep paying to keep it small
+        assert self.verify_cost is not None
+        n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
+        return draft.best(n if most is None else min(n, most))
+
+
+def scorer_of(drafter: Drafter) -> Scorer:
+    """Who scored a drafter's nodes: the n-gram model, or a draft model (the oracle too)."""
+    return Scorer.NGRAM if isinstance(drafter, NgramDrafter) else Scorer.DRAFT
+
+
+def drafting_time(drafter: Drafter) -> float:
+    return drafter.counters.t_draft + drafter.counters.t_stage2
+
+
+class Policy(Protocol):
+    def plan(self, step: StepInput) -> StepPlan:
+        """This step's tree (a lone root when nothing is drafted)."""
+        ...
+
+    def observe(self, plan: StepPlan, outcome: Outcome) -> None:
+        """Learn from the verified step (the engine has committed the caches and updated the
+        calibrations)."""
+        ...
+
+
+class TreePolicy:
+    """Every mode but ``auto``: one drafter grows a tree (chain, tree, staged, ngram, oracle);
+    adaptive, each draft batch and the final cut only as far as they pay."""
+
+    def __init__(self, res: Resources, mode: Mode) -> None:
+        self.res, self.mode = res, mode
+
+    def drafter(self, step: StepInput) -> Drafter | None:
+        res, config = self.res, step.config
+        if self.mode is Mode.PLAIN or step.budget is None:
+            return None
+        if self.mode is Mode.ORACLE:
+            return res.oracle
+        if self.mode is Mode.NGRAM:
+            res.feed_ngram(step.committed)
+            return res.ngram_drafter(step.params, step.budget)
+        if self.mode is Mode.STAGED:
+            res.feed_ngram(step.committed)  # the draft's stage-2 guesses come from it
+        return res.model_drafter(config, staged=self.mode is Mode.STAGED)
+
+    def plan(self, step: StepInput) -> StepPlan:
+        drafter = self.drafter(step)
+        if drafter is None or step.budget is None:
+            return StepPlan.alone(step.root)
+        res, config = self.res, step.config
+        grow = config.adaptive and res.sizer is not None
+        # tree and staged: a draft batch only where it pays; ngram: only nodes that could
+        # pay grow; a chain keeps its length (standard speculative decoding, the baseline)
+        expand = (res.expander(step.budget) if grow and self.mode in (Mode.TREE, Mode.STAGED)
+                  else res.worth_growing() if grow and self.mode is Mode.NGRAM else None)
+        draft = grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand)
+        scorer = scorer_of(drafter)
+        if config.adaptive and res.verify_cost is not None:
+            draft = res.right_size(draft, scorer, drafting_time(drafter), step.params)
+        kind = (StepKind.DRAFT if drafter.counters.calls else
+                StepKind.GUESSES if len(draft.tree) > 1 else StepKind.ROOT)
+        return StepPlan.scored_by(draft, drafter, kind, scorer)
+
+    def observe(self, plan: StepPlan, outcome: Outcome) -> None:
+        """Nothing beyond what the engine keeps for every policy (caches, calibrations)."""

@@ -1,0 +1,115 @@
+"""How much to draft at a step: each draft batch, and each node, only where it pays.
+
+A step's goal is the most tokens per second. Its cost is what drafting takes plus one target
+pass over the root and the drafted nodes, ``cost_t(n + 1)``, plus the loop's own overhead; its
+yield is the expected number of tokens, 1 + the summed acceptance probabilities of the verified
+nodes (a node's probability is estimated as ``c * score``: its path probability under whoever
+scored it, calibrated by ``c``, the ratio of accepted tokens to predicted ones so far:
+``plan.Calibrations``).
+
+To maximise a ratio yield / time, a step takes an extra piece of work only if the piece's own
+ratio beats the ratio reached so far. A draft batch expanding the ``m`` best frontier nodes
+costs ``cost_d(m)`` now (a draft forward pass) and more target work later; its expected gain is
+each expanded node's score times the draft's typical confidence in its best child, ``p``, over
+the next levels. Because the target's cost curve is concave (the 2nd token of a batch costs
+more than the 8th), one level alone can look unprofitable while a run of confident levels
+pays, so the test looks ahead a few levels (``LOOKAHEAD``) and takes the batch if any horizon
+pays. On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and
+wide; where a second batch token costs most of a pass, only where the draft is confident.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from .costmodel import VerifyCost
+
+LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
+
+
+@dataclasses.dataclass(slots=True)
+class Running:
+    """A decayed running mean (recent steps weigh more: the text's difficulty drifts)."""
+
+    total: float = 0.0
+    weight: float = 0.0
+    decay: float = 0.95
+    prior: float = 0.5
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total = self.decay * self.total + value * weight
+        self.weight = self.decay * self.weight + weight
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight if self.weight > 0 else self.prior
+
+
+@dataclasses.dataclass(slots=True)
+class Sizer:
+    """The two cost curves and running estimates of the draft's confidence and the loop's
+    overhead: what the adaptive modes size their draft batches and trees by."""
+
+    target: VerifyCost  # priced after the last batch's shape: the engine sets it at each step
+    draft: VerifyCost | None
+    # seconds per step outside the target and the draft (Python bookkeeping), running
+    steps_overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
+    # the draft's probability of its best child at an expanded node (its confidence)
+    confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
+    least: float | None = None  # least_worth, once computed (the curve does not change)
+
+    @property
+    def overhead(self) -> float:
+        return self.steps_overhead.value
+
+    def observe(self, best_child_probs: list[float]) -> None:
+        for p in best_child_probs:
+            self.confidence.add(p)
+
+    def expand(self, frontier: list[float], scores: list[float], t_spent: float,
+               calibration: float, levels_left: int, baseline: float = 0.0) -> int:
+        """How many of the best ``frontier`` nodes (scores, best first) to expand with one
+        draft batch; 0 stops drafting. ``scores`` are all drafted nodes' scores so far, and
+        drafting has taken ``t_spent`` seconds. A batch must yield more tokens per second
+        than the step does so far, and than ``baseline`` (what another tree offers)."""
+        if self.draft is None or not frontier or levels_left < 1:
+            return 0
+        n, now = self.best_cut(scores, t_spent, calibration)
+        p = self.confidence.value * calibration
+        best_m, best_ratio = 0, max(now, baseline)
+        reach = 0.0
+        for m in range(1, len(frontier) + 1):
+            reach += frontier[m - 1]
+            gain, nodes = 0.0, n
+            for level in range(1, min(LOOKAHEAD, levels_left) + 1):
+                gain += calibration * reach * p ** level
+                nodes += m
+                cost = level * self.draft(m) + self.target(nodes + 1) - self.target(n + 1)
+                if cost > 0 and gain / cost > best_ratio:
+                    best_m, best_ratio = m, gain / cost
+        return best_m
+
+    def best_cut(self, scores: list[float], t_spent: float, calibration: float,
+                 ) -> tuple[int, float]:
+        """(n, tokens per second) of verifying the ``n`` best of ``scores``, the best n."""
+        ordered = sorted(scores, reverse=True)
+        best_n, best_rate, total = 0, 1.0 / (t_spent + self.target(1) + self.overhead), 0.0
+        for n, s in enumerate(ordered, start=1):
+            total += s
+            rate = (1.0 + calibration * total) / (t_spent + self.target(n + 1) + self.overhead)
+            if rate > best_rate:
+                best_n, best_rate = n, rate
+        return best_n, best_rate
+
+    def least_worth(self) -> float:
+        """The acceptance probability a drafted node needs at the very least to pay for its
+        place in the batch: the cheapest extra batch token (up to 32) in single-token
+        passes. A step runs at no less than the target alone's rate, 1 / cost(1) tokens per
+        second, and a node adds its acceptance probability in tokens for the cost of one more
+        batch token, so below this no node pays; where batches are nearly free, almost any
+        node does."""
+        if self.least is None:
+            curve = self.target.curve
+            cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
+            self.least = max(cheapest, 0.0) / curve(1)
+        return self.least
