@@ -45,9 +45,8 @@ from app import peer
 from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
-from speculative.engine import Engine, Learned
+from speculative.engine import Learned
 from speculative.loading import ModelPair, open_pair
-from speculative.ngram import KatzTrigram
 from speculative.oracle import OracleDrafter
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
@@ -111,15 +110,15 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         samplings["greedy"] = params
     report: dict[str, Any] = {"host": host_info(config.n_threads), "target": target.name,
                               "draft": draft.name if draft else None, "cells": []}
-    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers)) as pair:
-        base = KatzTrigram.load(ngram_path) if ngram_path is not None else None
-        cost = _measure(pair, spec, base)
+    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
+                   ngram_path, ngram_optional=args.ngram is None) as pair:
+        cost = pair.measure_costs(spec)
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
         progress = Progress(sum(len(p) for p in sets.values()) * len(chosen) * args.repeats
                             * (len(modes) + 2))
         for sampling in chosen:
             for set_name, prompts in sets.items():
-                cell = _run_cell(args, pair, spec, ngram_path, cost, modes, sampling,
+                cell = _run_cell(args, pair, spec, modes, sampling,
                                  samplings[sampling], set_name, prompts, progress)
                 report["cells"].append(summarize(cell, pair))
         if args.peers or args.native:
@@ -139,17 +138,8 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
     return 0
 
 
-def _measure(pair: ModelPair, spec: SpecConfig, base: KatzTrigram | None,
-             ) -> tuple[VerifyCost, VerifyCost | None]:
-    engine = Engine(pair.target_ctx, pair.draft_ctx, base, dataclasses.replace(
-        spec, mode=Mode.AUTO))
-    engine.measure_cost()
-    assert engine.verify_cost is not None
-    return engine.verify_cost, engine.draft_cost
-
-
 def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
-              ngram_path: Path | None, cost: tuple, modes: list[Mode], sampling: str,
+              modes: list[Mode], sampling: str,
               params: SamplingParams, set_name: str, prompts: list[str],
               progress: Progress) -> Cell:
     vocab = pair.target.vocab
@@ -164,10 +154,10 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
     # not (it would learn the answers of the earlier repeats)
     learned: dict[Mode, Learned] = {}
     for m in order:  # warm-up: every mode once, untimed (graphs built, caches warm)
-        _one(pair, spec, ngram_path, cost, m, tokens[0], min(16, args.max_tokens), params,
+        _one(pair, spec, m, tokens[0], min(16, args.max_tokens), params,
              answers.get(0), learned)
         if m is Mode.PLAIN and greedy:
-            answers[0] = _one(pair, spec, ngram_path, cost, m, tokens[0], args.max_tokens,
+            answers[0] = _one(pair, spec, m, tokens[0], args.max_tokens,
                               params, None, learned)[0]
     for r in range(args.repeats):
         for m in order:
@@ -183,7 +173,7 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
             for m in ordered:
                 seeded = dataclasses.replace(params, seed=1000 * r + i) if not greedy else params
                 progress.tick(f"{sampling} {set_name} repeat {r + 1} prompt {i + 1}: {m.value}")
-                out, run = _one(pair, spec, ngram_path, cost, m, prompt, args.max_tokens,
+                out, run = _one(pair, spec, m, prompt, args.max_tokens,
                                 seeded, answers.get(i), learned)
                 if m is Mode.PLAIN and greedy:
                     answers[i] = out
@@ -193,15 +183,11 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
     return cell
 
 
-def _one(pair: ModelPair, spec: SpecConfig, ngram_path: Path | None, cost: tuple, mode: Mode,
+def _one(pair: ModelPair, spec: SpecConfig, mode: Mode,
          prompt: list[int], n: int, params: SamplingParams, answer: list[int] | None,
          learned: dict[Mode, Learned]) -> tuple[list[int], RunStats]:
     # a fresh n-gram model per run, so that no mode learns from another's output
-    ngram = KatzTrigram.load(ngram_path) if ngram_path is not None else None
-    engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, dataclasses.replace(spec, mode=mode))
-    engine.verify_cost, engine.draft_cost = cost
-    if mode in learned:
-        engine.adopt(learned[mode])
+    engine = pair.engine(dataclasses.replace(spec, mode=mode), learned.get(mode))
     if mode is Mode.ORACLE:
         engine.oracle = OracleDrafter(answer or [], len(prompt), pair.target.vocab.n_vocab)
     run = RunStats()

@@ -5,7 +5,6 @@ and prints them side by side, with speedups measured against ``plain`` in the sa
 from __future__ import annotations
 
 import argparse
-import codecs
 import dataclasses
 import json
 import logging
@@ -23,10 +22,10 @@ from speculative.drafting import TreeBudget
 from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import open_pair
-from speculative.ngram import KatzTrigram
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
+from speculative.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -173,24 +172,20 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
-    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers)) as pair:
+    with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
+                   ngram_path, ngram_optional=args.ngram is None) as pair:
         vocab = pair.target.vocab
         text = (args.prompt_file.read_text("utf-8") if args.prompt_file else args.prompt)
         prompt = vocab.tokenize(text)
         if not prompt:
             raise ValueError("the prompt is empty")
         results = []
-        cost = (None, None)  # target and draft costs, measured once, shared by every engine
         for mode in args.mode:
-            # a fresh n-gram per run, so that no mode learns from another's output
-            ngram = (KatzTrigram.load(ngram_path) if ngram_path is not None
-                     else KatzTrigram.build([], vocab.n_vocab))
-            engine = Engine(pair.target_ctx, pair.draft_ctx, ngram,
-                            dataclasses.replace(spec, mode=mode))
-            engine.verify_cost, engine.draft_cost = cost
+            # a fresh n-gram per run, so that no mode learns from another's output; the cost
+            # curves are measured once and shared by every engine
+            engine = pair.engine(dataclasses.replace(spec, mode=mode))
             stream = out if not args.json and len(args.mode) == 1 else None
             results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
-            cost = (engine.verify_cost, engine.draft_cost)
         if params.greedy:
             _explain(results, pair.target_ctx, prompt)
         _report(results, out, args.json, prompt_text=text)
@@ -201,7 +196,7 @@ def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
          params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
     run = RunStats()
     tokens: list[int] = []
-    decoder = codecs.getincrementaldecoder("utf-8")("replace")
+    text = TextStream(vocab.piece)
     finish = None
     if stream is not None:
         stream.write(vocab.detokenize(prompt))
@@ -209,11 +204,12 @@ def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
     for step in engine.generate(prompt, max_tokens, params, stop={vocab.eos}, run=run):
         tokens += step.tokens
         finish = step.finish
+        pieces = text.feed(step.tokens, final=finish is not None)
         if stream is not None:
-            stream.write(decoder.decode(b"".join(vocab.piece(t) for t in step.tokens)))
+            stream.write("".join(t for t, _ in pieces))
             stream.flush()
     if stream is not None:
-        stream.write(decoder.decode(b"", final=True) + "\n")
+        stream.write("".join(t for t, _ in text.feed([], final=True)) + "\n")
     return {"mode": engine.config.mode.value, "text": vocab.detokenize(tokens),
             "tokens": tokens, "finish": finish or "length", "stats": run.summary()}
 

@@ -30,9 +30,7 @@ from app.ui.main_window import MainWindow
 from app.worker import app_threads
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import default_threads
-from speculative.engine import Engine
 from speculative.loading import open_pair
-from speculative.ngram import KatzTrigram
 from speculative.stats import RunStats
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -42,9 +40,10 @@ def cli_speed(settings: AppSettings, prompt: str, threads: int) -> float:
     """Tokens/s of one generation the way ``staged-chat generate`` runs it."""
     target, draft = builtin_pair() if not settings.target_path else (
         Path(settings.target_path), Path(settings.draft_path) if settings.draft_path else None)
-    with open_pair(target, draft, settings.context(threads)) as pair:
-        ngram = KatzTrigram.load(BUILTIN_NGRAM) if BUILTIN_NGRAM.is_file() else None
-        engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, settings.spec())
+    with open_pair(target, draft, settings.context(threads),
+                   ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
+                   ngram_optional=True) as pair:
+        engine = pair.engine(settings.spec())
         run = RunStats()
         tokens = pair.target.vocab.tokenize(prompt)
         for _ in engine.generate(tokens, settings.max_tokens, settings.sampling(0),

@@ -101,21 +101,3 @@ def chat_prompt(format_name: str, messages: Sequence[tuple[str, str]], tokenize:
     reply its ``max_tokens``, but never more than half the window."""
     return build_prompt(FORMATS[format_name], messages, tokenize, n_ctx,
                         min(max_tokens, n_ctx // 2), continuing)
-
-
-def find_stop(text: str, stops: Sequence[str]) -> int | None:
-    """Index in ``text`` where the reply ends (the earliest stop string), or None."""
-    hits = [i for i in (text.find(s) for s in stops) if i >= 0]
-    return min(hits) if hits else None
-
-
-def held_back(text: str, stops: Sequence[str]) -> int:
-    """How many characters at the end of ``text`` could be the start of a stop string: they are
-    shown only once it is clear they are not one."""
-    keep = 0
-    for s in stops:
-        for n in range(min(len(s) - 1, len(text)), 0, -1):
-            if text.endswith(s[:n]):
-                keep = max(keep, n)
-                break
-    return keep

@@ -13,7 +13,6 @@ mid-generation are handed over under a lock and applied between steps. Every fai
 
 from __future__ import annotations
 
-import codecs
 import contextlib
 import dataclasses
 import logging
@@ -27,7 +26,7 @@ from typing import Any
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
-from app.prompting import FORMATS, Prompt, chat_prompt, find_stop, held_back
+from app.prompting import FORMATS, Prompt, chat_prompt
 from app.settings import AppSettings
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import system_info
@@ -35,9 +34,9 @@ from speculative.divergence import Divergence, explain
 from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import ModelPair, open_pair
-from speculative.ngram import KatzTrigram
 from speculative.policies import Mode
 from speculative.stats import RunStats, StepStats
+from speculative.text import TextStream
 
 log = logging.getLogger(__name__)
 
@@ -300,15 +299,15 @@ class EngineWorker(QObject):
         builtin = _is_builtin(settings.target_path)
         target, draft = _paths(settings)
         threads = settings.threads or app_threads()
+        # the built-in n-gram model counts GPT-2 token ids: any GPT-2 model can use it
         pair = open_pair(target, draft, settings.context(threads),
-                         (settings.gpu_layers, settings.draft_gpu_layers))
+                         (settings.gpu_layers, settings.draft_gpu_layers),
+                         ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
+                         ngram_optional=True)
         try:
-            ngram = None
-            if BUILTIN_NGRAM.is_file() and pair.target.vocab.n_vocab == 50257:
-                ngram = KatzTrigram.load(BUILTIN_NGRAM)  # GPT-2 token ids: any GPT-2 model
-            engine = Engine(pair.target_ctx, pair.draft_ctx, ngram, settings.spec())
             self.status.emit("Measuring this machine's speed…")
-            engine.measure_cost()
+            pair.measure_costs(settings.spec())
+            engine = pair.engine(settings.spec())
             plain = _time_plain(engine, pair)
         except BaseException:
             pair.close()
@@ -318,7 +317,7 @@ class EngineWorker(QObject):
         self._info = ModelInfo(
             target=pair.target.name, draft=pair.draft.name if pair.draft else None,
             target_path=str(target), draft_path=str(draft) if draft else None, builtin=builtin,
-            n_ctx=pair.target_ctx.n_ctx, threads=threads, has_ngram=ngram is not None,
+            n_ctx=pair.target_ctx.n_ctx, threads=threads, has_ngram=pair.ngram_path is not None,
             plain_seconds_per_token=plain,
             verify_ms={n: t * 1000 for n, t in zip(cost.sizes, cost.seconds, strict=True)}
             if cost else {}, load_seconds=time.perf_counter() - t0, system=system_info())
@@ -369,46 +368,29 @@ class EngineWorker(QObject):
         engine.config = spec
 
     def _reply(self, engine: Engine, request: ChatRequest, prompt: Prompt) -> ReplyDone:
-        """Stream the reply: text is shown once it cannot be the start of a stop string (a
-        "\ndef " may arrive over several tokens), and the reply ends before the stop."""
+        """Stream the reply (``TextStream``: text is shown once it cannot be the start of a
+        stop string, and the reply ends before the stop)."""
         assert self._pair is not None
-        vocab = self._pair.target.vocab
-        stops = FORMATS[request.format].stops
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
+        text = TextStream(self._pair.target.vocab.piece, FORMATS[request.format].stops)
         run = RunStats()
-        decoded: list[tuple[str, str, int]] = []  # (text, origin, token) of every token
-        text, shown_to = "", 0  # the whole decoded text; how much of it the window has
         finish = "length"
         for step_tokens, step_origins, stats, step_finish in self._steps(engine, request,
                                                                          prompt, run):
-            for tok, origin in zip(step_tokens, step_origins, strict=True):
-                decoded.append((decoder.decode(vocab.piece(tok)), origin, tok))
-            if step_finish is not None:  # a character cut by the end of the reply: U+FFFD
-                tail = decoder.decode(b"", final=True)
-                if tail:
-                    decoded.append((tail, decoded[-1][1] if decoded else "target", -1))
-            text = "".join(t for t, _, _ in decoded)
-            stop_at = find_stop(text, stops)
-            if stop_at is not None:
-                text, step_finish = text[:stop_at], "stop"
-            end = len(text) if step_finish is not None else len(text) - held_back(text, stops)
-            pieces = _slice(decoded, shown_to, max(end, shown_to))
-            shown_to = max(end, shown_to)
+            pieces = text.feed(step_tokens, step_origins, final=step_finish is not None)
             self.step.emit(StepEvent(request.request_id, pieces, step_tokens, stats))
-            if step_finish is not None:
-                finish = step_finish
+            if step_finish is not None or text.stopped:
+                finish = "stop" if text.stopped else step_finish
                 break
-        kept = _tokens_within(decoded, len(text))
-        return ReplyDone(request.request_id, text, [t for _, _, t in kept],
-                         [o for _, o, _ in kept], finish, run, engine.config.mode.value,
-                         _slice(decoded, 0, len(text)))
+        kept = text.kept()
+        return ReplyDone(request.request_id, text.text, [t for t, _ in kept],
+                         [o for _, o in kept], finish, run, engine.config.mode.value,
+                         text.pieces())
 
     def _race_run(self, engine: Engine, request: ChatRequest, prompt: Prompt,
                   mode: str) -> RaceRun:
         assert self._pair is not None
-        vocab = self._pair.target.vocab
+        text = TextStream(self._pair.target.vocab.piece)
         run = RunStats()
-        decoder = codecs.getincrementaldecoder("utf-8")("replace")
         timeline: list[tuple[float, str]] = []
         tokens: list[int] = []
         elapsed = 0.0
@@ -416,37 +398,11 @@ class EngineWorker(QObject):
             if finish == "cancelled":
                 raise _Cancelled
             elapsed += stats.seconds  # generation time only, as RunStats counts it
-            timeline.append((elapsed, decoder.decode(b"".join(vocab.piece(t)
-                                                              for t in step_tokens))))
+            pieces = text.feed(step_tokens, final=finish is not None)
+            timeline.append((elapsed, "".join(t for t, _ in pieces)))
             tokens += step_tokens
             self.race_progress.emit(request.request_id, mode, len(tokens))
-        text = "".join(t for _, t in timeline) + decoder.decode(b"", final=True)
-        return RaceRun(mode, text, tokens, timeline, run)
-
-
-def _slice(decoded: list[tuple[str, str, int]], start: int, end: int) -> list[tuple[str, str]]:
-    """The (text, origin) pieces covering characters [start, end) of the decoded tokens."""
-    out, at = [], 0
-    for text, origin, _ in decoded:
-        lo, hi = max(start, at), min(end, at + len(text))
-        if lo < hi:
-            out.append((text[lo - at:hi - at], origin))
-        at += len(text)
-    return out
-
-
-def _tokens_within(decoded: list[tuple[str, str, int]], length: int,
-                   ) -> list[tuple[str, str, int]]:
-    """The tokens whose text lies within the first ``length`` characters (the stored reply's
-    tokens: one cut by a stop string is not among them)."""
-    out, at = [], 0
-    for item in decoded:
-        at += len(item[0])
-        if at > length:
-            break
-        if item[2] >= 0:
-            out.append(item)
-    return out
+        return RaceRun(mode, text.text, tokens, timeline, run)
 
 
 def _paths(settings: AppSettings) -> tuple[Path, Path | None]:

@@ -12,29 +12,33 @@ output stays exact because each step is exact on its own.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Sequence
 
 import numpy as np
 
 from .auto import AutoPolicy, Planner
-from .costmodel import VerifyCost, cached_verify_cost
+from .costmodel import VerifyCost
 from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
 from .plan import Calibrations, StepPlan
-from .policies import Mode, Outcome, Policy, Resources, SpecConfig, StepInput, TreePolicy
+from .policies import (
+    Mode,
+    Outcome,
+    Policy,
+    Resources,
+    SpecConfig,
+    StepInput,
+    TreePolicy,
+    fit_budget,
+)
 from .protocols import Context
 from .sampling import SamplingParams
 from .sizing import Sizer
 from .stats import ORIGINS, RunStats, StepStats
 from .verify import Verdict, verify_greedy, verify_sampling
-
-log = logging.getLogger(__name__)
-
-
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -141,7 +145,7 @@ class Engine:
         produced = 0
         while produced < max_new_tokens:
             if cancel():
-                yield Step([], _empty_stats(), "cancelled")
+                yield Step([], StepStats.empty(), "cancelled")
                 return
             config = self.config  # read once per step: settings may change between steps
             self.check(config)
@@ -160,22 +164,10 @@ class Engine:
                 return
 
     def measure_cost(self, force: bool = False) -> VerifyCost:
-        """Time the target's verification of 1..max_nodes+1 tokens, and the draft's decodes
-        (once; clears their caches); the sizer and ``auto``'s planner start from these."""
-        res, budget = self.res, self.config.budget() or TreeBudget()
-        if res.verify_cost is None or force:
-            n = min(max(budget.max_nodes, self.config.chain_length, 16) + 1,
-                    res.target.ctx.n_batch)
-            res.verify_cost = cached_verify_cost(res.target.ctx, n, refresh=force)
-            res.target.reset()
-            log.info("verify cost (ms): %s, a new batch shape +%.2f", _ms(res.verify_cost),
-                     res.verify_cost.switch * 1000)
-        if res.draft is not None and (res.draft_cost is None or force):
-            n = min(budget.max_nodes + self.config.lookahead + 1, res.draft.ctx.n_batch)
-            res.draft_cost = cached_verify_cost(res.draft.ctx, n, refresh=force)
-            res.draft.reset()
-            log.info("draft cost (ms): %s, a new batch shape +%.2f", _ms(res.draft_cost),
-                     res.draft_cost.switch * 1000)
+        """Measure the cost curves once (``Resources.measure_costs``); the sizer and ``auto``'s
+        planner start from them."""
+        res = self.res
+        res.measure_costs(self.config, force)
         if res.planner is None or force:
             res.sizer = Sizer(res.verify_cost, res.draft_cost)
             res.planner = Planner(res.sizer)
@@ -218,7 +210,8 @@ class Engine:
         t2 = time.perf_counter()
         accepted = self._commit(plan, verdict, slots)
         t3 = time.perf_counter()
-        stats = _step_stats(plan, verdict, t0, t1, t2, t3)
+        stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
+                                verdict.offered, t0, t1, t2, t3)
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0))
@@ -262,40 +255,8 @@ class Engine:
             self.draft.rollback()
 
     def _fit(self, config: SpecConfig, committed: list[int]) -> TreeBudget | None:
-        """Shrink the tree so that it fits the context window; None when only plain fits.
-
-        The target's batch is the pending committed tokens (root included) plus the drafted
-        nodes, each in a KV cell of its own beside the cached ones, so the nodes must fit the
-        ``n_ctx - len(committed)`` cells left, not only the positions: near the end of the
-        window a deep bushy tree would otherwise not find its cells. (The draft's own cells,
-        nodes plus stage-2 guesses, are counted as it decodes: ``ModelDrafter``.)
-        """
-        budget = config.budget()
-        if budget is None:
-            return None
-        room = self._n_ctx(config) - len(committed)
-        if room < 1:
-            return None
-        return dataclasses.replace(budget, max_nodes=min(budget.max_nodes, room),
-                                   max_depth=min(budget.max_depth, room))
-
-
-def _step_stats(plan: StepPlan, verdict: Verdict, t0: float, t1: float, t2: float,
-                t3: float) -> StepStats:
-    """A step's statistics (``speculative.stats``) from its plan, verdict and clock readings:
-    planned at t1, verified at t2, committed at t3."""
-    counters = plan.counters
-    return StepStats(
-        drafted=len(plan.tree.tree) - 1, accepted=len(verdict.accepted),
-        offered=verdict.offered, emitted=len(verdict.accepted) + 1, origins={},
-        draft_calls=counters.calls, stage2_proposed=counters.stage2_proposed,
-        stage2_used=counters.stage2_used, t_draft=counters.t_draft, t_stage2=counters.t_stage2,
-        t_verify=t2 - t1,
-        t_other=max(0.0, (t1 - t0) - counters.t_draft - counters.t_stage2) + (t3 - t2))
-
-
-def _ms(cost: VerifyCost) -> dict[int, float]:
-    return {n: round(t * 1000, 2) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
+        """The tree budget that fits the window after ``committed`` (``fit_budget``)."""
+        return fit_budget(config.budget(), self._n_ctx(config) - len(committed))
 
 
 def _truncate(tokens: list[int], stop: Collection[int], limit: int) -> tuple[list[int], str | None]:
@@ -305,8 +266,3 @@ def _truncate(tokens: list[int], stop: Collection[int], limit: int) -> tuple[lis
     if len(tokens) >= limit:
         return tokens[:limit], "length"
     return tokens, None
-
-
-def _empty_stats() -> StepStats:
-    return StepStats(0, 0, 0, 0, {"draft": 0, "ngram": 0, "target": 0}, 0, 0, 0,
-                     0.0, 0.0, 0.0, 0.0)

@@ -1,4 +1,6 @@
-"""Opening a target/draft pair with contexts sized for the speculation settings."""
+"""Opening the models an engine runs on: a target/draft pair with contexts sized for the
+speculation settings, the n-gram model file, and the cost curves every engine on the pair
+shares. The app's worker, the CLI, the benchmark and the diagnostics all open engines here."""
 
 from __future__ import annotations
 
@@ -8,19 +10,59 @@ import logging
 from pathlib import Path
 
 from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window
+from .costmodel import VerifyCost
+from .engine import Engine, Learned
 from .errors import IncompatibleModels
+from .ngram import KatzTrigram
+from .policies import Mode, SpecConfig
 
 log = logging.getLogger(__name__)
 
 
 @dataclasses.dataclass(slots=True)
 class ModelPair:
-    """A target model and optionally a draft, each with its own context. Close when done."""
+    """A target model and optionally a draft, each with its own context, and the n-gram model
+    file; ``engine`` makes engines on them. Close when done."""
 
     target: LlamaModel
     target_ctx: LlamaContext
     draft: LlamaModel | None = None
     draft_ctx: LlamaContext | None = None
+    ngram_path: Path | None = None  # the n-gram model each engine starts from (None: empty)
+    # the target's and the draft's decode-cost curves, measured by the first engine that needs
+    # them and handed to every later one
+    costs: tuple[VerifyCost, VerifyCost | None] | None = None
+
+    def new_ngram(self) -> KatzTrigram | None:
+        """A fresh copy of the n-gram model (an engine teaches its own the conversation)."""
+        return KatzTrigram.load(self.ngram_path) if self.ngram_path is not None else None
+
+    def engine(self, spec: SpecConfig, learned: Learned | None = None,
+               ngram: KatzTrigram | None = None) -> Engine:
+        """An engine on these contexts with ``spec``, a fresh n-gram model (or ``ngram``), the
+        pair's cost curves (measured now if this mode needs them and nobody has yet), and
+        what an earlier engine ``learned``."""
+        engine = Engine(self.target_ctx, self.draft_ctx,
+                        ngram if ngram is not None else self.new_ngram(), spec)
+        if self.costs is None and spec.mode is not Mode.PLAIN and (
+                spec.adaptive or spec.mode is Mode.AUTO):
+            self.measure_costs(spec)
+        if self.costs is not None:
+            engine.verify_cost, engine.draft_cost = self.costs
+        if learned is not None:
+            engine.adopt(learned)
+        return engine
+
+    def measure_costs(self, spec: SpecConfig, force: bool = False,
+                      ) -> tuple[VerifyCost, VerifyCost | None]:
+        """The cost curves, measured for the largest tree ``spec`` allows (``auto``'s)."""
+        if self.costs is None or force:
+            probe = Engine(self.target_ctx, self.draft_ctx, None,
+                           dataclasses.replace(spec, mode=Mode.AUTO))
+            probe.measure_cost(force)
+            assert probe.verify_cost is not None
+            self.costs = (probe.verify_cost, probe.draft_cost)
+        return self.costs
 
     def close(self) -> None:
         for obj in (self.draft_ctx, self.draft, self.target_ctx, self.target):
@@ -42,13 +84,25 @@ def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:
                                  f"target {target.path.name}: {why}")
 
 
+def check_ngram(path: Path, target: LlamaModel) -> None:
+    """Refuse an n-gram model over other token ids than the target's."""
+    n_vocab = KatzTrigram.vocabulary_size(path)
+    if n_vocab != target.vocab.n_vocab:
+        raise IncompatibleModels(f"n-gram model {path.name} covers {n_vocab} tokens; target "
+                                 f"{target.path.name} has {target.vocab.n_vocab}")
+
+
 def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig,
-              gpu_layers: tuple[int, int] = (0, 0)) -> ModelPair:
+              gpu_layers: tuple[int, int] = (0, 0), ngram: str | Path | None = None,
+              ngram_optional: bool = False) -> ModelPair:
     """Load both models, check they share a tokenizer, and create their contexts.
 
     Both contexts get the same window (the smaller trained context wins, or ``ContextTooLarge``
-    if ``config.fit`` is off) so that a tree that fits one fits the other. Whatever fails, what
-    was loaded so far is freed, and models loaded elsewhere are untouched.
+    if ``config.fit`` is off) so that a tree that fits one fits the other. ``ngram`` names the
+    n-gram model file engines start from; one over other token ids than the target's is
+    refused (``IncompatibleModels``), or with ``ngram_optional`` (the built-in GPT-2 n-gram
+    beside a model of another vocabulary) left out. Whatever fails, what was loaded so far is
+    freed, and models loaded elsewhere are untouched.
     """
     with contextlib.ExitStack() as stack:
         t_model = stack.enter_context(LlamaModel(target, gpu_layers=gpu_layers[0]))
@@ -63,5 +117,14 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
         t_ctx = stack.enter_context(LlamaContext(t_model, config))
         d_ctx = (stack.enter_context(LlamaContext(d_model, config))
                  if d_model is not None else None)
+        ngram_path = Path(ngram) if ngram is not None else None
+        if ngram_path is not None:
+            try:
+                check_ngram(ngram_path, t_model)
+            except IncompatibleModels as exc:
+                if not ngram_optional:
+                    raise
+                log.info("no n-gram model: %s", exc)
+                ngram_path = None
         stack.pop_all()  # success: the pair owns them now
-        return ModelPair(t_model, t_ctx, d_model, d_ctx)
+        return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path)

@@ -466,6 +466,18 @@ class KatzTrigram:
         model._check(path)
         return model
 
+    @staticmethod
+    def vocabulary_size(path: str | Path) -> int:
+        """The number of token ids a model written by `save` covers (reads only that field);
+        ValueError if the file is not such a model."""
+        try:
+            with np.load(path, allow_pickle=False) as z:
+                if "format" not in z.files or int(z["format"][0]) != _FORMAT:
+                    raise ValueError(f"{path}: not a trigram model of format {_FORMAT}")
+                return int(z["n_vocab"][0])
+        except (OSError, KeyError, IndexError) as exc:
+            raise ValueError(f"{path}: not a readable trigram model ({exc})") from None
+
     def warm(self) -> None:
         """Compute P1 and the vocabulary's order by it now (~3-10 ms at V = 50257) rather than
         at the first query, which a generation step would pay for."""

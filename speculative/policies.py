@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import dataclasses
 import enum
+import logging
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .costmodel import VerifyCost, best_size, guess_length
+from .costmodel import VerifyCost, best_size, cached_verify_cost, guess_length
 from .drafting import (
     Drafter,
     DraftTree,
@@ -36,6 +37,8 @@ from .tree import TokenTree
 
 if TYPE_CHECKING:
     from .auto import Planner
+
+log = logging.getLogger(__name__)
 
 
 class Mode(str, enum.Enum):
@@ -101,6 +104,22 @@ class Outcome:
     seconds: float              # the whole step
 
 
+def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:
+    """Shrink the tree so that it fits the ``room`` KV cells left in the window; None when
+    only plain fits.
+
+    The target's batch is the pending committed tokens (root included) plus the drafted
+    nodes, each in a KV cell of its own beside the cached ones, so the nodes must fit the cells
+    left, not only the positions: near the end of the window a deep bushy tree would otherwise
+    not find its cells. (The draft's own cells, nodes plus stage-2 guesses, are counted as it
+    decodes: ``ModelDrafter``.)
+    """
+    if budget is None or room < 1:
+        return None
+    return dataclasses.replace(budget, max_nodes=min(budget.max_nodes, room),
+                               max_depth=min(budget.max_depth, room))
+
+
 @dataclasses.dataclass(slots=True)
 class Resources:
     """What every policy drafts with and learns into; an engine owns one."""
@@ -117,6 +136,24 @@ class Resources:
     # the last step's node scores and drafting time, by scorer (sampled steps are sized by these)
     previous: dict[Scorer, tuple[list[float], float]] = dataclasses.field(default_factory=dict)
     ngram_fed: list[int] = dataclasses.field(default_factory=list)
+
+    def measure_costs(self, config: SpecConfig, force: bool = False) -> None:
+        """Time the target's verification of 1..max_nodes+1 tokens, and the draft's decodes
+        (once, or again when ``force``; clears their caches)."""
+        budget = config.budget() or TreeBudget()
+        if self.verify_cost is None or force:
+            n = min(max(budget.max_nodes, config.chain_length, 16) + 1,
+                    self.target.ctx.n_batch)
+            self.verify_cost = cached_verify_cost(self.target.ctx, n, refresh=force)
+            self.target.reset()
+            log.info("verify cost (ms): %s, a new batch shape +%.2f", _ms(self.verify_cost),
+                     self.verify_cost.switch * 1000)
+        if self.draft is not None and (self.draft_cost is None or force):
+            n = min(budget.max_nodes + config.lookahead + 1, self.draft.ctx.n_batch)
+            self.draft_cost = cached_verify_cost(self.draft.ctx, n, refresh=force)
+            self.draft.reset()
+            log.info("draft cost (ms): %s, a new batch shape +%.2f", _ms(self.draft_cost),
+                     self.draft_cost.switch * 1000)
 
     def feed_ngram(self, committed: Sequence[int]) -> None:
         """Teach the n-gram model the conversation (only what it has not seen yet). Called
@@ -200,6 +237,10 @@ class Resources:
         assert self.verify_cost is not None
         n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
         return draft.best(n if most is None else min(n, most))
+
+
+def _ms(cost: VerifyCost) -> dict[int, float]:
+    return {n: round(t * 1000, 2) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
 
 
 def scorer_of(drafter: Drafter) -> Scorer:

@@ -32,6 +32,23 @@ class StepStats:
     def seconds(self) -> float:
         return self.t_draft + self.t_stage2 + self.t_verify + self.t_other
 
+    @classmethod
+    def timed(cls, drafting: Any, drafted: int, accepted: int, offered: int, t0: float,
+              t1: float, t2: float, t3: float) -> StepStats:
+        """A step's statistics from what drafting cost (``drafting.DraftCounters``) and the
+        clock read at its start, when its tree was planned, verified and committed."""
+        return cls(
+            drafted=drafted, accepted=accepted, offered=offered, emitted=accepted + 1,
+            origins={}, draft_calls=drafting.calls, stage2_proposed=drafting.stage2_proposed,
+            stage2_used=drafting.stage2_used, t_draft=drafting.t_draft,
+            t_stage2=drafting.t_stage2, t_verify=t2 - t1,
+            t_other=max(0.0, (t1 - t0) - drafting.t_draft - drafting.t_stage2) + (t3 - t2))
+
+    @classmethod
+    def empty(cls) -> StepStats:
+        """A step that did nothing (a cancel before it began)."""
+        return cls(0, 0, 0, 0, dict.fromkeys(ORIGINS, 0), 0, 0, 0, 0.0, 0.0, 0.0, 0.0)
+
 
 @dataclasses.dataclass(slots=True)
 class RunStats:

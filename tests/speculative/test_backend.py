@@ -197,3 +197,36 @@ def test_every_load_turns_extra_buffer_types_off_on_amx_hosts(tiny_models, monke
     # off an AMX host the extra buffer types stay on (they hold other CPUs' fast kernels)
     monkeypatch.setattr(backend, "_AMX", False)
     assert backend.host_model_params().use_extra_bufts
+
+
+def test_the_pair_refuses_an_ngram_model_of_other_token_ids(tiny_models, tmp_path) -> None:
+    """An n-gram model over other token ids than the target's is refused when asked for, and
+    left out when optional (the built-in GPT-2 n-gram beside another vocabulary)."""
+    from speculative.ngram import KatzTrigram
+
+    small = tmp_path / "small.npz"
+    KatzTrigram.build([[1, 2, 3, 1, 2]], 100).save(small)
+    config = ContextConfig(n_threads=1, n_ctx=64)
+    target, draft = tiny_models["q8_0-target"], tiny_models["q8_0-draft"]
+    with pytest.raises(IncompatibleModels, match=r"small\.npz covers 100 tokens"):
+        open_pair(target, draft, config, ngram=small)
+    with open_pair(target, draft, config, ngram=small, ngram_optional=True) as pair:
+        assert pair.ngram_path is None and pair.new_ngram() is None
+
+
+def test_engines_of_one_pair_share_its_cost_curves(tiny_models, corpus_ngram, tmp_path) -> None:
+    from speculative.policies import Mode, SpecConfig
+
+    path = tmp_path / "code.npz"
+    corpus_ngram.save(path)
+    config = ContextConfig(n_threads=1, n_ctx=128, n_batch=32, n_seq_max=32)
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], config,
+                   ngram=path) as pair:
+        plain = pair.engine(SpecConfig(mode=Mode.PLAIN))
+        assert pair.costs is None and plain.verify_cost is None  # plain needs no curve
+        tree = pair.engine(SpecConfig(mode=Mode.TREE))
+        assert pair.costs is not None and tree.verify_cost is pair.costs[0]
+        auto = pair.engine(SpecConfig(mode=Mode.AUTO))
+        assert (auto.verify_cost, auto.draft_cost) == pair.costs
+        assert auto.ngram is not tree.ngram  # each engine teaches its own n-gram model
+        assert auto.ngram.n_vocab == pair.target.vocab.n_vocab
