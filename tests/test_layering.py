@@ -51,7 +51,7 @@ def test_the_command_line_does_not_load_qt() -> None:
     import subprocess
     import sys
 
-    code = ("import sys, app.cli; app.cli.build_parser(); "
+    code = ("import sys, app.tools.cli; app.tools.cli.build_parser(); "
             "print(sorted(m for m in sys.modules if m.startswith('PySide6')))")
     out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True,
                          text=True, check=True).stdout.strip()

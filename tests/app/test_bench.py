@@ -6,8 +6,8 @@ import json
 import re
 import sys
 
-from app.bench import load_prompts
-from app.cli import main
+from app.tools.bench import load_prompts
+from app.tools.cli import main
 
 
 def test_bench_reports_every_mode_against_plain_with_the_ceiling(tiny_models, tmp_path,
@@ -68,7 +68,7 @@ def test_a_peer_that_crashes_is_reported_and_the_bench_goes_on(tiny_models, tmp_
                                                                monkeypatch) -> None:
     """A peer runs in a process of its own: when llama.cpp kills it (a crash in a CPU kernel),
     the report says so and the other peers and the modes are still measured."""
-    from app import bench, peer
+    from app.tools import bench, peer
 
     real = peer.command
 

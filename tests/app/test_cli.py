@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from app.cli import main
+from app.tools.cli import main
 from models.gguf_writer import Gpt2Config, random_gpt2
 
 

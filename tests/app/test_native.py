@@ -13,8 +13,8 @@ from pathlib import Path
 
 import pytest
 
-from app import native
-from app.native import NativeUnavailable
+from app.tools import native
+from app.tools.native import NativeUnavailable
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 

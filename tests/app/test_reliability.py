@@ -24,10 +24,10 @@ from typing import Any
 import pytest
 
 from app import prompting as prompting_module
+from app.diagnostics.soak import run_soak
 from app.history import FINISH_REASONS, History, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
-from app.soak import run_soak
 from app.ui.main_window import MainWindow
 from app.worker import StepEvent
 from models.catalog import builtin_pair
@@ -339,8 +339,8 @@ def test_sigkill_while_a_reply_streams_loses_at_most_that_reply(data_dir: Path) 
     db = data_dir / "history.sqlite3"
     env = {**os.environ, "QT_QPA_PLATFORM": "offscreen"}
     app = subprocess.Popen(
-        [sys.executable, "-m", "app.cli", "app", "--data-dir", str(data_dir), "--prompt", LONG,
-         "--max-tokens", "4096", "--temp", "0", "--mode", "tree"],
+        [sys.executable, "-m", "app.tools.cli", "app", "--data-dir", str(data_dir), "--prompt",
+         LONG, "--max-tokens", "4096", "--temp", "0", "--mode", "tree"],
         cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
     try:
         deadline = time.monotonic() + LOAD_MS / 1000
@@ -535,9 +535,9 @@ def test_void_calls_and_bool_signals_never_deallocate_singletons() -> None:
 
 
 def test_a_short_soak_stays_identical_to_plain_and_frees_its_contexts(qtbot: Any) -> None:
-    """``python -m app.soak`` in brief: 600 tokens, modes toggled, the models switched. A reply
-    may part from plain only where the target's own logits tie under llama.cpp's batch shapes
-    (``speculative.divergence``); anywhere else it is an error."""
+    """``python -m app.diagnostics.soak`` in brief: 600 tokens, modes toggled, the models
+    switched. A reply may part from plain only where the target's own logits tie under
+    llama.cpp's batch shapes (``speculative.divergence``); anywhere else it is an error."""
     report = run_soak(600, ["plain", "tree", "staged", "ngram"], switch_every=3, max_tokens=40)
     assert report.tokens >= 600 and report.mode_toggles >= 3 and report.switches >= 1
     assert report.compared > 0 and report.errors == 0, report.mismatches

@@ -8,8 +8,8 @@ from pathlib import Path
 
 import pytest
 
-from app.cli import main as cli_main
 from app.main import open_window
+from app.tools.cli import main as cli_main
 from app.ui.main_window import MainWindow
 from app.worker import StepEvent
 

@@ -11,7 +11,7 @@ import json
 import numpy as np
 import pytest
 
-from app.cli import main as cli_main
+from app.tools.cli import main as cli_main
 from speculative.backend import ContextConfig
 from speculative.drafting import TreeBudget
 from speculative.engine import Engine, Step

@@ -23,10 +23,10 @@ What is measured, and how it stays fair:
 - **Degenerate outputs** (a token repeated, mostly whitespace, a handful of words: see
   ``models.evaluate.judge``) are counted and warned about: speed on such text means little.
 - **Peers** (``--peers``): llama-cpp-python's own speculative path (``LlamaPromptLookupDecoding``)
-  and plain path on the same target, each in a process of its own (``app.peer``: a peer that
+  and plain path on the same target, each in a process of its own (``app.tools.peer``: a peer that
   crashes is reported, and the benchmark goes on), and with ``--native``, llama.cpp's C++
   ``llama-bench`` and ``llama-speculative`` on the same files (built on demand:
-  ``app/native.py``). What cannot run is reported with the reason.
+  ``app/tools/native.py``). What cannot run is reported with the reason.
 """
 
 from __future__ import annotations
@@ -41,7 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
-from app import peer
+from app.tools import peer
 from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
@@ -52,7 +52,7 @@ from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
 
-ASSETS = Path(__file__).resolve().parents[1] / "assets"
+ASSETS = Path(__file__).resolve().parents[2] / "assets"
 PROMPT_SETS = {"code": ASSETS / "bench_prompts.txt", "chat": ASSETS / "chat_prompts.txt"}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the issue's sampled setting
 
@@ -132,7 +132,7 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
     else:
         out.write(format_report(report, args.repeats) + "\n")
     if args.chart is not None:
-        from app.bench_chart import save_chart  # Qt, only when a chart is asked for
+        from app.ui.bench_chart import save_chart  # Qt, only when a chart is asked for
 
         save_chart(report, args.chart)
     return 0
@@ -246,14 +246,19 @@ def _pooled(runs: list[RunStats]) -> RunStats:
 
 
 # llama-cpp-python's own generation on the same target: plain, and its speculative path with
-# LlamaPromptLookupDecoding proposing 10 tokens (each in a process of its own: app.peer)
+# LlamaPromptLookupDecoding proposing 10 tokens (each in a process of its own: app.tools.peer)
 PEERS = (("llama-cpp-python plain", 0), ("llama-cpp-python prompt lookup (10)", 10))
 
 
 def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Path | None,
               sets: dict[str, list[str]], config: ContextConfig) -> dict[str, Any]:
     """Other implementations on the same target, greedy: tokens/s, and what could not run."""
-    from app.native import NativeUnavailable, native_tools, run_native_bench, run_native_speculative
+    from app.tools.native import (
+        NativeUnavailable,
+        native_tools,
+        run_native_bench,
+        run_native_speculative,
+    )
 
     vocab = pair.target.vocab
     threads = config.n_threads or default_threads()

@@ -1,4 +1,4 @@
-"""``python -m app.soak``: a long session in the real window (offscreen), then a report.
+"""``python -m app.diagnostics.soak``: a long session in the real window (offscreen), then a report.
 
 Many turns at temperature 0, new conversations once the window fills, the speculation mode
 toggled between turns and the models switched now and then (the built-in pair, then the
@@ -14,7 +14,7 @@ built-in target alone, and back). It reports:
 - llama.cpp contexts alive after each model switch and after closing the window, counted by
   instrumenting ``LlamaContext`` from outside (a weak set of every instance created).
 
-    python -m app.soak [--tokens 20000] [--modes auto,plain,staged,tree,chain,ngram]
+    python -m app.diagnostics.soak [--tokens 20000] [--modes auto,plain,staged,tree,chain,ngram]
                        [--switch-every 3] [--max-tokens 160] [--data-dir DIR] [--json]
 """
 
@@ -367,7 +367,7 @@ def format_report(r: SoakReport) -> str:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m app.soak", description=__doc__)
+    parser = argparse.ArgumentParser(prog="python -m app.diagnostics.soak", description=__doc__)
     parser.add_argument("--tokens", type=int, default=20_000, help="stop after this many")
     parser.add_argument("--modes", default=",".join(m.value for m in Mode.selectable()),
                         help="modes toggled between turns, in order")

@@ -1,7 +1,7 @@
 """One benchmark peer (llama-cpp-python's own ``Llama``) in a process of its own.
 
-    python -m app.peer --model T.gguf --prompts '[[464, 318], ...]' -n 64 --threads 2 --ctx 1024
-                       [--prompt-lookup 10]
+    python -m app.tools.peer --model T.gguf --prompts '[[464, 318], ...]' -n 64 --threads 2
+                             --ctx 1024 [--prompt-lookup 10]
 
 prints one line of JSON: ``{"tokens": N, "seconds": S}``, the tokens generated after each
 prompt's first one and the seconds they took, summed over the prompts (``peer_generate``).
@@ -32,7 +32,7 @@ class PeerFailed(RuntimeError):
 def command(model: Path, prompts: Sequence[Sequence[int]], n_tokens: int, threads: int,
             n_ctx: int, prompt_lookup: int = 0) -> list[str]:
     """The argv that runs one peer on ``prompts`` (token ids) in a child process."""
-    return [sys.executable, "-m", "app.peer", "--model", str(model),
+    return [sys.executable, "-m", "app.tools.peer", "--model", str(model),
             "--prompts", json.dumps([list(p) for p in prompts]), "-n", str(n_tokens),
             "--threads", str(threads), "--ctx", str(n_ctx), "--prompt-lookup", str(prompt_lookup)]
 
@@ -63,7 +63,7 @@ def run_peer(argv: Sequence[str], timeout: float = 1800.0) -> dict[str, float]:
 def main(argv: Sequence[str] | None = None) -> int:
     from speculative.backend import peer_generate
 
-    p = argparse.ArgumentParser(prog="python -m app.peer", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m app.tools.peer", description=__doc__.split("\n")[0])
     p.add_argument("--model", type=Path, required=True)
     p.add_argument("--prompts", required=True, help="JSON list of token-id lists")
     p.add_argument("-n", type=int, default=64, help="tokens to generate per prompt")

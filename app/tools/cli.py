@@ -13,8 +13,8 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from app.bench import add_arguments as add_bench_arguments
-from app.bench import bench
+from app.tools.bench import add_arguments as add_bench_arguments
+from app.tools.bench import bench
 from models.catalog import BUILTIN_NGRAM, builtin_pair
 from speculative.backend import ContextConfig
 from speculative.divergence import explain
@@ -133,7 +133,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.command is None:
             args = parser.parse_args(["app"])
         if args.throughput_check:
-            from app.perf import run as check
+            from app.diagnostics.perf import run as check
 
             return check(args)
         from app.main import run as run_app

@@ -1,6 +1,6 @@
 """Native llama.cpp peers: its own ``llama-speculative`` and ``llama-bench`` on the same files.
 
-    python -m app.native --target T.gguf --draft D.gguf [--prompt TEXT] [-n 64] [--threads 2]
+    python -m app.tools.native --target T.gguf --draft D.gguf [--prompt TEXT] [-n 64] [--threads 2]
 
 Why: our decoding goes through llama-cpp-python's ctypes layer and Python code; the C++ programs
 shipped with the same llama.cpp show what the library itself reaches on this machine (issue 8,
@@ -389,7 +389,8 @@ DEFAULT_PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""
 
 
 def parse_args(argv: Sequence[str] | None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(prog="python -m app.native", description=__doc__.split("\n")[0])
+    p = argparse.ArgumentParser(prog="python -m app.tools.native",
+                                description=__doc__.split("\n")[0])
     p.add_argument("--target", type=Path, required=True)
     p.add_argument("--draft", type=Path, required=True)
     p.add_argument("--prompt", default=DEFAULT_PROMPT)

@@ -1,0 +1,2 @@
+"""Diagnostics that drive the real window: a long soak session, and the streaming throughput
+check."""
