@@ -51,7 +51,7 @@ class AppSettings:
     seed: int = -1                    # -1: a new seed per reply; >= 0: the same draws (the same
     #   text for the same tree shapes; auto and adaptive trees size them by measured timings)
     # performance
-    threads: int = 0                  # 0: chosen by the thread policy (see app/worker.py)
+    threads: int = 0                  # 0: chosen by the thread policy (see app/worker/loading.py)
     n_ctx: int = 1024                 # capped by the models' trained context
     gpu_layers: int = 0               # target layers on a GPU (-1: all), if llama.cpp has one
     draft_gpu_layers: int = 0

@@ -62,4 +62,4 @@ def test_the_contract_check_sees_imports() -> None:
     """The checks above must be able to fail."""
     assert "llama_cpp" in imported_modules(BACKEND)
     assert {"numpy", "llama_cpp"} <= imported_modules(BACKEND)
-    assert "PySide6" in imported_modules(ROOT / "app" / "worker.py")
+    assert "PySide6" in imported_modules(ROOT / "app" / "worker" / "thread.py")

@@ -27,10 +27,8 @@ from PySide6.QtWidgets import QApplication
 from app.main import create_app, open_window
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
-from app.worker import app_threads
-from models.catalog import BUILTIN_NGRAM, builtin_pair
+from app.worker.loading import app_threads, open_models
 from speculative.backend import default_threads
-from speculative.loading import open_pair
 from speculative.stats import RunStats
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
@@ -38,11 +36,7 @@ PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 
 def cli_speed(settings: AppSettings, prompt: str, threads: int) -> float:
     """Tokens/s of one generation the way ``staged-chat generate`` runs it."""
-    target, draft = builtin_pair() if not settings.target_path else (
-        Path(settings.target_path), Path(settings.draft_path) if settings.draft_path else None)
-    with open_pair(target, draft, settings.context(threads),
-                   ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
-                   ngram_optional=True) as pair:
+    with open_models(settings, threads) as pair:
         engine = pair.engine(settings.spec())
         run = RunStats()
         tokens = pair.target.vocab.tokenize(prompt)

@@ -277,7 +277,8 @@ class Soak:
                     text)
 
     def _prompt(self, key: tuple[tuple[str, str], ...]) -> list[int]:
-        """The tokens the worker decoded for the conversation ``key`` (app.worker._prompt)."""
+        """The tokens the worker decoded for the conversation ``key``
+        (``app.worker.replying.prompt_for``)."""
         (_, fmt), *messages = key
         ctx = self.referee
         return chat_prompt(fmt, messages, ctx.model.vocab.tokenize, ctx.n_ctx,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import platform
 
-from app.worker import ModelInfo
+from app.worker.messages import ModelInfo
 
 
 def about_text(info: ModelInfo | None) -> str:

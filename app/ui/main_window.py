@@ -50,10 +50,8 @@ from app.ui.settings_dialog import SettingsDialog
 from app.ui.stats_panel import StatsPanel
 from app.ui.theme import apply_theme
 from app.ui.widgets import Banner, PromptEdit
-from app.worker import (
-    EngineController,
-    ModelInfo,
-)
+from app.worker.messages import ModelInfo
+from app.worker.thread import EngineController
 from models.catalog import Catalog
 from speculative.stats import RunStats
 

@@ -24,7 +24,7 @@ from PySide6.QtWidgets import (
 )
 
 from app.settings import MODE_LABELS
-from app.worker import RaceResult, RaceRun
+from app.worker.messages import RaceResult, RaceRun
 
 
 class RacePane(QWidget):

@@ -6,7 +6,7 @@ from typing import Any
 
 from app.history import Message
 from app.ui.chat_view import ShownMessage, runs_of
-from app.worker import ReplyDone
+from app.worker.messages import ReplyDone
 from speculative.stats import RunStats, StepStats
 
 

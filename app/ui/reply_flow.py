@@ -19,7 +19,15 @@ from app.prompting import FORMATS
 from app.ui.chat_view import origin_runs, runs_of
 from app.ui.race import RaceWindow
 from app.ui.replies import footer, run_of, shown, streamed_runs
-from app.worker import ChatRequest, ModelInfo, RaceResult, ReplyDone, ReplyStarted, StepEvent
+from app.worker.messages import (
+    ChatRequest,
+    ModelInfo,
+    RaceResult,
+    ReplyDone,
+    ReplyFailed,
+    ReplyStarted,
+    StepEvent,
+)
 from speculative.stats import RunStats
 
 if TYPE_CHECKING:
@@ -223,8 +231,9 @@ class ReplyFlow:
         self._set_idle(True)
         self.reply_finished.emit(done.request_id)
 
-    def _failed(self, request_id: int, reason: str) -> None:
+    def _failed(self, failure: ReplyFailed) -> None:
         pending = self.pending
+        request_id, reason, partial = failure.request_id, failure.reason, failure.partial
         if pending is None or request_id != pending.request_id:
             return
         self.pending = None
@@ -233,11 +242,8 @@ class ReplyFlow:
                 self.race_window.failed(reason)
         else:
             self._draw()
-            last = self.chat.messages[-1] if self.chat.messages else None
-            partial = "".join(t for t, _ in last.runs) if last and last.role == "assistant" \
-                else ""
             if partial and pending.kind == "reply":  # keep what was written before the failure
-                self.history.add_message(pending.conversation_id, "assistant", partial,
+                self.history.add_message(pending.conversation_id, "assistant", partial.text,
                                          finish="error", stats={"error": reason})
                 self.chat.end_reply(f"stopped by an error: {reason}")
             elif pending.kind == "reply":

@@ -29,7 +29,7 @@ from app.history import FINISH_REASONS, History, Message
 from app.main import open_window
 from app.prompting import TRANSCRIPT, Prompt
 from app.ui.main_window import MainWindow
-from app.worker import StepEvent
+from app.worker.messages import StepEvent
 from models.catalog import builtin_pair
 from speculative.engine import Step
 from speculative.stats import StepStats

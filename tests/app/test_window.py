@@ -11,7 +11,7 @@ import pytest
 from app.main import open_window
 from app.tools.cli import main as cli_main
 from app.ui.main_window import MainWindow
-from app.worker import StepEvent
+from app.worker.messages import StepEvent
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 LOAD_MS = 120_000
@@ -149,7 +149,7 @@ def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None
     """Greedy texts that differ: the race says where, and whether the target's own logits tie
     there (llama.cpp's batch shapes) or not (an error to report)."""
     from app.ui.race import RaceWindow
-    from app.worker import RaceResult, RaceRun
+    from app.worker.messages import RaceResult, RaceRun
     from speculative.divergence import Divergence
     from speculative.stats import RunStats
 
@@ -172,7 +172,7 @@ def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None
 
 def test_a_sampled_race_says_its_texts_are_two_draws(qtbot) -> None:
     from app.ui.race import RaceWindow
-    from app.worker import RaceResult, RaceRun
+    from app.worker.messages import RaceResult, RaceRun
     from speculative.stats import RunStats
 
     def run(mode: str, text: str, tokens: list[int]) -> RaceRun:

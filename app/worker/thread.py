@@ -1,0 +1,228 @@
+"""The engine's thread: models, replies and races run here, never on the GUI thread.
+
+``EngineWorker`` is a QObject moved to its own QThread (superqt's generator-worker pattern,
+GPT4All's ``ChatLLM`` thread): the GUI asks through queued signals, the worker runs the engine's
+generator and turns every ``Step`` into a signal. Stop is a request id the GUI sets directly
+(the worker's event loop is busy while it generates): every request up to it, running or
+queued, is stopped, and the engine checks it between steps. Settings that change
+mid-generation are handed over under a lock and applied between steps. Every failure becomes a
+signal with a reason; nothing propagates into Qt.
+
+``EngineController`` lives on the GUI thread: it owns the thread and offers plain methods.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import sys
+from collections.abc import Callable
+
+from PySide6.QtCore import QObject, QThread, Signal, Slot
+
+from app.settings import AppSettings
+from app.worker import loading, racing
+from app.worker.messages import ChatRequest, ModelInfo, ReplyFailed, ReplyStarted
+from app.worker.replying import LiveSettings, Reply, prompt_for, steps
+from speculative.engine import Engine
+from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
+from speculative.loading import ModelPair
+
+log = logging.getLogger(__name__)
+
+# what bad input and full windows raise: reported without a traceback in the log
+_EXPECTED = (ContextOverflow, IncompatibleModels, LlamaError, OSError, ValueError)
+
+
+class EngineWorker(QObject):
+    status = Signal(str)            # what the worker is doing, for the status bar
+    loaded = Signal(object)         # ModelInfo
+    load_failed = Signal(str)
+    started = Signal(object)        # ReplyStarted
+    step = Signal(object)           # StepEvent, one per target pass
+    finished = Signal(object)       # ReplyDone
+    failed = Signal(object)         # ReplyFailed
+    race_progress = Signal(int, str, int)  # request id, mode, tokens so far
+    race_finished = Signal(object)  # RaceResult
+    compatible = Signal(str, object)  # target path, {draft path: None or why not}
+
+    def __init__(self) -> None:
+        super().__init__()
+        # requests with an id up to this are stopped: a Stop pressed before the worker picks a
+        # queued request up (it was loading models, or still busy) must stop that request too,
+        # so the worker never clears it; an int is read and written atomically under the GIL
+        self._stop_upto = 0
+        self._live = LiveSettings()  # settings handed over mid-generation
+        self._pair: ModelPair | None = None
+        self._engine: Engine | None = None
+        self._settings: AppSettings | None = None
+        self._info: ModelInfo | None = None
+
+    # --- called from the GUI thread directly (thread-safe) ---
+    def cancel(self, upto: int = sys.maxsize) -> None:
+        """Stop the running request and the queued ones with ids up to ``upto`` (all, by
+        default: shutting down)."""
+        self._stop_upto = max(self._stop_upto, upto)
+
+    def update_settings(self, settings: AppSettings) -> None:
+        """Apply from the next step of the running reply (what the loaded models allow)."""
+        self._live.offer(settings)
+
+    # --- slots, run on the worker thread through queued signals ---
+    @Slot(object)
+    def load(self, settings: AppSettings) -> None:
+        try:
+            self._load(settings)
+        except _EXPECTED as exc:
+            log.warning("loading models failed: %s", exc)
+            self.load_failed.emit(loading.reason(exc))
+            self.status.emit("No model loaded" if self._pair is None else "Ready")
+        except Exception as exc:  # a bug: its traceback goes to the log
+            log.exception("loading models failed")
+            self.load_failed.emit(loading.reason(exc))
+            self.status.emit("No model loaded" if self._pair is None else "Ready")
+
+    @Slot(object)
+    def generate(self, request: ChatRequest) -> None:
+        reply: Reply | None = None
+        try:
+            engine = self._ready(request.settings)
+            assert self._pair is not None
+            prompt = prompt_for(self._pair, engine, request)
+            self.started.emit(ReplyStarted(request.request_id, len(prompt.tokens),
+                                           prompt.dropped, engine.config.mode.value))
+            self.status.emit("Generating…")
+            reply = Reply(request, self._pair, engine)
+            with contextlib.closing(steps(engine, self._pair, request, prompt, self._live,
+                                          self._stopper(request), reply.run)) as stream:
+                for event in reply.stream(stream):
+                    self.step.emit(event)
+            self.finished.emit(reply.done())
+        except _EXPECTED as exc:
+            log.warning("generation failed: %s", exc)
+            self._failed(request, exc, reply)
+        except Exception as exc:
+            log.exception("generation failed")
+            self._failed(request, exc, reply)
+        finally:
+            self.status.emit("Ready" if self._engine is not None else "No model loaded")
+
+    @Slot(object)
+    def race(self, request: ChatRequest) -> None:
+        try:
+            engine = self._ready(request.settings)
+            assert self._pair is not None
+            result = racing.race(engine, self._pair, request, self._live,
+                                 self._stopper(request),
+                                 lambda mode, n: self.race_progress.emit(request.request_id,
+                                                                         mode, n),
+                                 self.status.emit)
+            self.race_finished.emit(result)
+        except racing.RaceStopped:
+            self.failed.emit(ReplyFailed(request.request_id, "race stopped"))
+        except Exception as exc:
+            log.exception("race failed")
+            self._failed(request, exc, None)
+        finally:
+            if self._engine is not None and self._settings is not None:
+                self._engine.config = self._settings.spec()
+            self.status.emit("Ready" if self._engine is not None else "No model loaded")
+
+    @Slot(str, object)
+    def check_drafts(self, target: str, drafts: list[str]) -> None:
+        self.compatible.emit(target, loading.check_drafts(target, drafts))
+
+    @Slot()
+    def shutdown(self) -> None:
+        self._close()
+        # the thread ends here, after the models are freed: a quit() from the GUI thread could
+        # end its event loop before this queued call ran, leaving the llama.cpp contexts alive
+        self.thread().quit()
+
+    # --- internals ---
+    def _stopper(self, request: ChatRequest) -> Callable[[], bool]:
+        return lambda: request.request_id <= self._stop_upto
+
+    def _failed(self, request: ChatRequest, exc: BaseException, reply: Reply | None) -> None:
+        partial = reply.partial() if reply is not None else None
+        self.failed.emit(ReplyFailed(request.request_id, loading.reason(exc), partial))
+
+    def _ready(self, settings: AppSettings) -> Engine:
+        """The engine for these settings, reloading models only when they need it."""
+        if self._engine is None or self._settings is None or (
+                settings.model_key() != self._settings.model_key()):
+            self._load(settings)
+        assert self._engine is not None
+        spec = settings.spec()
+        self._engine.check(spec)
+        self._engine.config = spec
+        self._settings = settings
+        self._live.take()  # offered for an earlier reply: these settings are newer
+        return self._engine
+
+    def _load(self, settings: AppSettings) -> None:
+        self.status.emit("Loading models…")
+        self._close()
+        loaded = loading.load(settings, self.status.emit)
+        self._pair, self._engine, self._settings = loaded.pair, loaded.engine, loaded.settings
+        self._info = loaded.info
+        self.loaded.emit(loaded.info)
+        self.status.emit("Ready")
+
+    def _close(self) -> None:
+        if self._pair is not None:
+            self._pair.close()
+        self._pair = self._engine = self._info = None
+
+
+class EngineController(QObject):
+    """The GUI thread's handle on the worker: starts its thread, forwards requests."""
+
+    _load = Signal(object)
+    _generate = Signal(object)
+    _race = Signal(object)
+    _check = Signal(str, object)
+    _shutdown = Signal()
+
+    def __init__(self, parent: QObject | None = None) -> None:
+        super().__init__(parent)
+        self.thread = QThread()
+        self.thread.setObjectName("engine")
+        self.worker = EngineWorker()
+        self.worker.moveToThread(self.thread)
+        self._load.connect(self.worker.load)
+        self._generate.connect(self.worker.generate)
+        self._race.connect(self.worker.race)
+        self._check.connect(self.worker.check_drafts)
+        self._shutdown.connect(self.worker.shutdown)
+        self.thread.start()
+        self._next_id = 0
+
+    def new_id(self) -> int:
+        self._next_id += 1
+        return self._next_id
+
+    def load(self, settings: AppSettings) -> None:
+        self._load.emit(settings)
+
+    def generate(self, request: ChatRequest) -> None:
+        self._generate.emit(request)
+
+    def race(self, request: ChatRequest) -> None:
+        self._race.emit(request)
+
+    def check_drafts(self, target: str, drafts: list[str]) -> None:
+        self._check.emit(target, drafts)
+
+    def stop(self) -> None:
+        """Stop every request sent so far, running or still queued."""
+        self.worker.cancel(self._next_id)
+
+    def update_settings(self, settings: AppSettings) -> None:
+        self.worker.update_settings(settings)
+
+    def shutdown(self, timeout_ms: int = 30_000) -> bool:
+        """Stop what runs, free the models on their own thread, end the thread."""
+        self.worker.cancel()
+        self._shutdown.emit()  # the worker frees the models, then quits its thread
+        return self.thread.wait(timeout_ms)
