@@ -27,6 +27,7 @@ from collections.abc import Callable, Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
+from app.replies import footer
 from speculative.stats import ORIGINS
 
 log = logging.getLogger(__name__)
@@ -67,7 +68,7 @@ class Message:
     tokens: list[int] = dataclasses.field(default_factory=list)   # a reply's emitted token ids
     origins: list[str] = dataclasses.field(default_factory=list)  # per token: stats.ORIGINS
     finish: str | None = None  # FINISH_REASONS for a reply; None for user and system messages
-    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # RunStats.summary() + app's
+    stats: dict[str, Any] = dataclasses.field(default_factory=dict)  # a reply's: app.replies
     mode: str = ""         # the speculation mode that produced the reply
 
 
@@ -566,21 +567,10 @@ def _fenced(text: str, language: str) -> str:
     return f"{fence}{language}\n{body}\n{fence}"
 
 
-_FOOTER = (("tokens", "{:g} tokens"), ("tokens_per_second", "{:.1f} tokens/s"),
-           ("tau", "tau {:.2f}"), ("speedup", "{:.2f}x plain"))  # stats keys shown, in order
-
-
 def _footer(m: Message) -> str:
-    """A reply's compact statistics line, from the stored figures (never recomputed)."""
-    if m.role != "assistant":
-        return ""
-    facts = [m.mode, m.finish or ""]
-    for key, template in _FOOTER:
-        value = m.stats.get(key)
-        if isinstance(value, int | float) and not isinstance(value, bool):
-            facts.append(template.format(value))
-    facts = [f for f in facts if f]
-    return "*" + " · ".join(facts) + "*" if facts else ""
+    """A reply's statistics line, the one the window shows under it, in italics."""
+    line = footer(m.stats, m.mode, m.finish or "") if m.role == "assistant" else ""
+    return f"*{line}*" if line else ""
 
 
 def write_text_atomic(path: str | os.PathLike[str], text: str) -> None:

@@ -151,7 +151,7 @@ class Script(QObject):
             QTimer.singleShot(0, self._shoot_mid)
 
     def _shoot_mid(self) -> None:
-        self.window._draw()
+        self.window.replies.draw()
         self._save(self.window)
 
     def _replied(self, _request_id: int) -> None:

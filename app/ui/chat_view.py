@@ -15,9 +15,9 @@ from PySide6.QtCore import Qt
 from PySide6.QtGui import QColor, QFont, QPalette, QTextBlockFormat, QTextCharFormat, QTextCursor
 from PySide6.QtWidgets import QTextBrowser, QWidget
 
+from app.history import Message
+from app.replies import Run, footer, runs_of
 from app.ui.theme import ORIGIN_COLOURS
-
-Run = tuple[str, str]  # (text, origin)
 
 
 @dataclasses.dataclass(slots=True)
@@ -28,28 +28,12 @@ class ShownMessage:
     created: float = 0.0
 
 
-def runs_of(text: str, origin_runs: list[list]) -> list[Run]:
-    """Split a stored reply into (text, origin) runs from its ``[[chars, origin], ...]``."""
-    out, i = [], 0
-    for length, origin in origin_runs:
-        out.append((text[i:i + int(length)], str(origin)))
-        i += int(length)
-    if i < len(text):
-        out.append((text[i:], "target"))
-    return out
-
-
-def origin_runs(runs: list[Run]) -> list[list]:
-    """The compact form stored with a reply: consecutive pieces of one origin merged."""
-    out: list[list] = []
-    for text, origin in runs:
-        if not text:
-            continue
-        if out and out[-1][1] == origin:
-            out[-1][0] += len(text)
-        else:
-            out.append([len(text), origin])
-    return out
+def shown(m: Message) -> ShownMessage:
+    """A stored message as the view shows it: a reply's text split by origin, its footer."""
+    if m.role == "assistant":
+        runs = runs_of(m.text, m.stats.get("origin_runs", []))
+        return ShownMessage(m.role, runs, footer(m.stats, m.mode, m.finish or ""), m.created)
+    return ShownMessage(m.role, [(m.text, "target")], "", m.created)
 
 
 class ChatView(QTextBrowser):
@@ -119,10 +103,17 @@ class ChatView(QTextBrowser):
         if follow:
             self._scroll_to_end()
 
-    def end_reply(self, footer: str) -> None:
+    def end_reply(self, footer: str, runs: list[Run] | None = None,
+                  created: float | None = None) -> None:
+        """The streamed reply is over: its footer, and the reply as stored (``runs``: its
+        whole text by origin; ``created``: when it was stored), where they are known."""
         if self._streaming is None:
             return
         self._streaming.footer = footer
+        if runs is not None:
+            self._streaming.runs = [r for r in runs if r[0]]
+        if created is not None:
+            self._streaming.created = created
         self._streaming = None
         self._render()
         self._scroll_to_end()

@@ -2,8 +2,9 @@
 
 It connects what the user asks for to the engine thread (``EngineController``), the history
 (SQLite, on this thread: a message is one short transaction) and the settings; the widgets only
-display. Streamed tokens are buffered and drawn by a 30 Hz timer, so the window's work stays
-the same whether the engine emits a hundred steps per second or thousands.
+display. Requests and their replies are the ``ReplyController``'s (``reply_flow``). Streamed
+tokens are buffered and drawn by a 30 Hz timer, so the window's work stays the same whether the
+engine emits a hundred steps per second or thousands.
 """
 
 from __future__ import annotations
@@ -40,12 +41,11 @@ from app.history import (
 from app.prompting import FORMATS, format_for
 from app.settings import MODE_LABELS, AppSettings, SettingsStore
 from app.ui.about import about_text
-from app.ui.chat_view import ChatView
+from app.ui.chat_view import ChatView, shown
 from app.ui.conversations import ConversationListModel, ConversationPanel
 from app.ui.models_dialog import Downloads, ModelsDialog
 from app.ui.race import RaceWindow
-from app.ui.replies import run_of, shown
-from app.ui.reply_flow import Pending, ReplyFlow
+from app.ui.reply_flow import Pending, ReplyController
 from app.ui.settings_dialog import SettingsDialog
 from app.ui.stats_panel import StatsPanel
 from app.ui.theme import apply_theme
@@ -53,14 +53,14 @@ from app.ui.widgets import Banner, PromptEdit
 from app.worker.messages import ModelInfo
 from app.worker.thread import EngineController
 from models.catalog import Catalog
-from speculative.stats import RunStats
+from speculative.policies import Mode
 
 log = logging.getLogger(__name__)
 
 FRAME_MS = 33  # redraw pace while streaming
 
 
-class MainWindow(ReplyFlow, QMainWindow):
+class MainWindow(QMainWindow):
     reply_finished = Signal(int)   # request id: a reply was stored (or failed)
     models_loaded = Signal()
     load_failed = Signal(str)
@@ -77,16 +77,19 @@ class MainWindow(ReplyFlow, QMainWindow):
         self.downloads = Downloads(self)
         self.info: ModelInfo | None = None
         self.conversation: Conversation | None = None
-        self.pending: Pending | None = None
-        self.race_window: RaceWindow | None = None
         self.settings_dialog: SettingsDialog | None = None
         self.models_dialog: ModelsDialog | None = None
         self.catalog: Catalog | None = None  # None: models/catalog.json (tests give their own)
         self._build()
+        self.replies = ReplyController(
+            history=history, engine=self.controller, chat=self.chat, stats=self.stats,
+            banner=self.banner, status=self.status, settings=lambda: self.settings,
+            prompt_format=self._format, shown_conversation=self._shown_id,
+            models=lambda: self.info, parent=self)
         self._wire()
         self._frame = QTimer(self)
         self._frame.setInterval(FRAME_MS)
-        self._frame.timeout.connect(self._draw)
+        self._frame.timeout.connect(self.replies.draw)
         self._frame.start()
         # "system" theme: follow the desktop when it switches between light and dark
         QGuiApplication.styleHints().colorSchemeChanged.connect(self._scheme_changed)
@@ -103,6 +106,68 @@ class MainWindow(ReplyFlow, QMainWindow):
             self._show_empty()
         self.status.setText("Loading models…")
         self.controller.load(self.settings)
+
+    # ------------------------------------------------------------------ requests
+    @property
+    def pending(self) -> Pending | None:
+        """The request the engine is working on, if any."""
+        return self.replies.pending
+
+    @property
+    def race_window(self) -> RaceWindow | None:
+        return self.replies.race_window
+
+    def send_text(self, text: str) -> int | None:
+        """Send ``text`` as the user (what pressing Enter does); returns the request id."""
+        self.input.setPlainText(text)
+        return self.send()
+
+    def send(self) -> int | None:
+        if self.pending is not None:
+            return None
+        # the raw text: toPlainText() turns no-break spaces into spaces, changing what was typed
+        # (a string literal, say); blocks are joined by U+2029 in it, lines by "\n" in ours
+        text = self.input.document().toRawText().replace("\u2029", "\n")
+        if not text.strip():
+            return None
+        if FORMATS[self._format()].name == "code" and not text.endswith("\n"):
+            text += "\n"  # Enter ends the line: the model writes the next one
+        try:
+            conversation = self._ensure_conversation(text)
+        except HistoryError as exc:
+            self.banner.show_message(f"Could not save the message: {exc}")
+            return None
+        request_id = self.replies.send(conversation.id, text)
+        if request_id is not None:
+            self.input.clear()
+        return request_id
+
+    def regenerate(self) -> None:
+        if self.conversation is not None:
+            self.replies.regenerate(self.conversation.id)
+
+    def continue_reply(self) -> None:
+        if self.conversation is not None:
+            self.replies.continue_reply(self.conversation.id)
+
+    def race(self) -> None:
+        if self.conversation is not None:
+            self.replies.race(self.conversation.id)
+
+    def stop(self) -> None:
+        self.replies.stop()
+
+    def copy_last(self) -> None:
+        self.replies.copy_last()
+
+    def _send_or_stop(self) -> None:
+        if self.pending is not None:
+            self.stop()
+        else:
+            self.send()
+
+    def _shown_id(self) -> int | None:
+        return self.conversation.id if self.conversation is not None else None
 
     # ------------------------------------------------------------------ layout
     def _build(self) -> None:
@@ -209,16 +274,16 @@ class MainWindow(ReplyFlow, QMainWindow):
 
     def _wire(self) -> None:
         w = self.controller.worker
-        w.status.connect(self._status)
+        w.status.connect(self.status.setText)
         w.loaded.connect(self._loaded)
         w.load_failed.connect(self._load_failed)
-        w.started.connect(self._started)
-        w.step.connect(self._step)
-        w.finished.connect(self._finished)
-        w.failed.connect(self._failed)
-        w.race_progress.connect(self._race_progress)
-        w.race_finished.connect(self._race_finished)
         w.compatible.connect(self._compatibility)
+        r = self.replies
+        r.reply_finished.connect(self.reply_finished)
+        r.step_shown.connect(self.step_shown)
+        r.race_done.connect(self.race_done)
+        r.busy_changed.connect(lambda busy: self._set_idle(not busy))
+        r.stored.connect(lambda _conversation_id: self._reload_list())
         self.input.submitted.connect(self.send)
         self.send_button.clicked.connect(self._send_or_stop)
         self.regenerate_button.clicked.connect(self.regenerate)
@@ -284,9 +349,7 @@ class MainWindow(ReplyFlow, QMainWindow):
         self.chat.show_messages([shown(m) for m in messages], fmt.monospace)
         self._sync_format_widgets()
         self.conversations.select(conversation_id)
-        self.stats.new_conversation(sum(len(m.tokens) for m in messages))
-        last = next((m for m in reversed(messages) if m.role == "assistant"), None)
-        self.stats.show_run(run_of(last) if last else RunStats())
+        self.stats.show_conversation([m.stats for m in messages if m.role == "assistant"])
         self._set_idle(self.pending is None)
 
     def delete_conversation(self, conversation_id: int) -> None:
@@ -336,8 +399,7 @@ class MainWindow(ReplyFlow, QMainWindow):
     def _show_empty(self) -> None:
         fmt = FORMATS[self._format()]
         self.chat.show_messages([], fmt.monospace)
-        self.stats.new_conversation()
-        self.stats.show_run(RunStats())
+        self.stats.show_conversation([])
         self._sync_format_widgets()
         self._set_idle(self.pending is None)
 
@@ -352,7 +414,31 @@ class MainWindow(ReplyFlow, QMainWindow):
             "docstring works best — Enter sends, Shift+Enter adds a line" if fmt.name == "code" else
             "Message the model — Enter sends, Shift+Enter adds a line")
 
-    # ------------------------------------------------------------------ requests
+    # ------------------------------------------------------------------ models
+    def _loaded(self, info: ModelInfo) -> None:
+        self.info = info
+        draft = info.draft or "none"
+        self.model_label.setText(f" target: {info.target} · draft: {draft} · "
+                                 f"{info.n_ctx}-token window · {info.threads} "
+                                 f"thread{'s' if info.threads != 1 else ''} ")
+        one = info.verify_ms.get(1)
+        note = (f"Speedup is estimated against plain decoding of the same target, timed on "
+                f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
+                f"tokens/s" + (f"; one target pass {one:.1f} ms" if one else "") + "). "
+                "Race measures it side by side.")
+        self.stats.set_plain_speed(info.plain_seconds_per_token, note)
+        if self.conversation is None:
+            self._sync_format_widgets()
+        if self.banner.kind == "error" and "load" in self.banner.text().lower():
+            self.banner.hide()
+        self.models_loaded.emit()
+
+    def _load_failed(self, reason: str) -> None:
+        self.banner.show_message(f"Could not load the models: {reason}")
+        if self.info is None:
+            self.model_label.setText(" no model loaded ")
+        self.load_failed.emit(reason)
+
     def _compatibility(self, target: str, verdicts: dict) -> None:
         if self.models_dialog is not None:
             self.models_dialog.show_compatibility(target, verdicts)
@@ -419,12 +505,11 @@ class MainWindow(ReplyFlow, QMainWindow):
         self.models_dialog.check_requested.connect(self.controller.check_drafts)
         self.models_dialog.chosen.connect(self._models_chosen)
         self.models_dialog.show()
-        self.models_dialog._refresh_choice()
 
     def _models_chosen(self, target: str, draft: str) -> None:
         mode = self.settings.mode
-        if target and not draft and mode in ("chain", "tree", "staged"):
-            mode = "ngram"  # no draft: the n-gram model can still speculate
+        if target and not draft and Mode(mode).needs_draft:
+            mode = Mode.NGRAM.value  # no draft: the n-gram model can still speculate
         self.apply_settings(dataclasses.replace(self.settings, target_path=target,
                                                 draft_path=draft, mode=mode))
 

@@ -12,6 +12,7 @@ import threading
 from pathlib import Path
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
+from PySide6.QtGui import QShowEvent
 from PySide6.QtWidgets import (
     QComboBox,
     QDialog,
@@ -176,6 +177,11 @@ class ModelsDialog(QDialog):
         downloads.progress.connect(self._progress)
         downloads.done.connect(self._done)
         downloads.failed.connect(self._failed)
+
+    def showEvent(self, event: QShowEvent) -> None:
+        """Ask which drafts fit the target when shown: by then ``check_requested`` has its
+        listener."""
+        super().showEvent(event)
         self._refresh_choice()
 
     # --- catalog rows ---

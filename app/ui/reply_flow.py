@@ -1,24 +1,29 @@
 """The life of a request: send, regenerate, continue, race, stop; the engine's answers.
 
-A mixin of ``MainWindow`` (it uses the window's widgets, history and controller): the part of the
-window that turns what the user asks for into ``ChatRequest``s for the engine thread, streams the
-answer into the chat view and the statistics panel, and stores each message in the history, one
-transaction per message.
+``ReplyController`` turns what the user asks for into ``ChatRequest``s for the engine's thread,
+streams the answer into the chat view and the statistics panel, and stores each message in the
+history, one transaction per message. The main window owns it and hands it its collaborators;
+it knows the window only through the callables it was given.
 """
 
 from __future__ import annotations
 
 import dataclasses
 import random
-from typing import TYPE_CHECKING
+from collections.abc import Callable
 
+from PySide6.QtCore import QObject, Signal
 from PySide6.QtGui import QGuiApplication
+from PySide6.QtWidgets import QLabel, QWidget
 
-from app.history import HistoryError, Message
+from app.history import History, HistoryError, Message
 from app.prompting import FORMATS
-from app.ui.chat_view import origin_runs, runs_of
+from app.replies import Run, continued, reply_stats, runs_of, stored_run
+from app.settings import AppSettings
+from app.ui.chat_view import ChatView, shown
 from app.ui.race import RaceWindow
-from app.ui.replies import footer, run_of, shown, streamed_runs
+from app.ui.stats_panel import StatsPanel
+from app.ui.widgets import Banner
 from app.worker.messages import (
     ChatRequest,
     ModelInfo,
@@ -28,10 +33,8 @@ from app.worker.messages import (
     ReplyStarted,
     StepEvent,
 )
+from app.worker.thread import EngineController
 from speculative.stats import RunStats
-
-if TYPE_CHECKING:
-    pass
 
 
 @dataclasses.dataclass(slots=True)
@@ -42,96 +45,71 @@ class Pending:
     conversation_id: int
     kind: str                        # "reply", "continue" or "race"
     continued: Message | None = None  # the reply being continued
-    runs: list[tuple[str, str]] = dataclasses.field(default_factory=list)  # not drawn yet
-    dropped: int = 0
+    runs: list[Run] = dataclasses.field(default_factory=list)  # streamed, not drawn yet
+    dropped: int = 0                 # oldest messages the prompt left out
 
 
+class ReplyController(QObject):
+    reply_finished = Signal(int)   # request id: a reply was stored (or failed)
+    step_shown = Signal(object)    # a StepEvent of the current reply, on the GUI thread
+    race_done = Signal()
+    busy_changed = Signal(bool)    # a request started (True) or ended (False)
+    stored = Signal(int)           # conversation id: a message was stored in it
 
-class ReplyFlow:
-    """Requests and replies (mixed into ``MainWindow``)."""
+    def __init__(self, *, history: History, engine: EngineController, chat: ChatView,
+                 stats: StatsPanel, banner: Banner, status: QLabel,
+                 settings: Callable[[], AppSettings], prompt_format: Callable[[], str],
+                 shown_conversation: Callable[[], int | None],
+                 models: Callable[[], ModelInfo | None], parent: QWidget) -> None:
+        super().__init__(parent)
+        self.history, self.engine = history, engine
+        self.chat, self.stats, self.banner, self.status = chat, stats, banner, status
+        self._settings, self._format = settings, prompt_format
+        self._shown, self._models = shown_conversation, models
+        self._parent = parent  # the race window's
+        self.pending: Pending | None = None
+        self.race_window: RaceWindow | None = None
+        w = engine.worker
+        w.started.connect(self._started)
+        w.step.connect(self._step)
+        w.finished.connect(self._finished)
+        w.failed.connect(self._failed)
+        w.race_progress.connect(self._race_progress)
+        w.race_finished.connect(self._race_finished)
 
-    def _send_or_stop(self) -> None:
-        if self.pending is not None:
-            self.stop()
-        else:
-            self.send()
-
-    def send_text(self, text: str) -> int | None:
-        """Send ``text`` as the user (what pressing Enter does); returns the request id."""
-        self.input.setPlainText(text)
-        return self.send()
-
-    def send(self) -> int | None:
+    # ------------------------------------------------------------------ requests
+    def send(self, conversation_id: int, text: str) -> int | None:
+        """Store ``text`` as the user's message and ask for a reply; the request id."""
         if self.pending is not None:
             return None
-        # the raw text: toPlainText() turns no-break spaces into spaces, changing what was typed
-        # (a string literal, say); blocks are joined by U+2029 in it, lines by "\n" in ours
-        text = self.input.document().toRawText().replace("\u2029", "\n")
-        if not text.strip():
-            return None
-        fmt = FORMATS[self._format()]
-        if fmt.name == "code" and not text.endswith("\n"):
-            text += "\n"  # Enter ends the line: the model writes the next one
         try:
-            conv = self._ensure_conversation(text)
-            message = self.history.add_message(conv.id, "user", text)
+            message = self.history.add_message(conversation_id, "user", text)
         except HistoryError as exc:
             self.banner.show_message(f"Could not save the message: {exc}")
             return None
-        self.input.clear()
         self.chat.add_message(shown(message))
-        return self._request("reply")
+        return self._request(conversation_id, "reply")
 
-    def _last_reply(self) -> Message | None:
-        """The conversation's last message if it is the model's and no reply is running."""
-        if self.pending is not None or self.conversation is None:
-            return None
-        messages = self.history.messages(self.conversation.id)
-        return messages[-1] if messages and messages[-1].role == "assistant" else None
-
-    def regenerate(self) -> None:
-        last = self._last_reply()
+    def regenerate(self, conversation_id: int) -> None:
+        last = self._last_reply(conversation_id)
         if last is None:
             return
         self.history.delete_message(last.id)
         self.chat.drop_last()
-        self._request("reply")
+        self.stats.show_conversation(self._replies(conversation_id))
+        self._request(conversation_id, "reply")
 
-    def continue_reply(self) -> None:
-        last = self._last_reply()
+    def continue_reply(self, conversation_id: int) -> None:
+        last = self._last_reply(conversation_id)
         if last is not None:
-            self._request("continue", continued=last)
+            self._request(conversation_id, "continue", continued=last)
 
-    def _request(self, kind: str, continued: Message | None = None) -> int | None:
-        assert self.conversation is not None
-        messages = self.history.messages(self.conversation.id)
-        if kind == "race":
-            while messages and messages[-1].role != "user":
-                messages.pop()
-        if not messages:
-            return None
-        seed = self.settings.seed if self.settings.seed >= 0 else random.randrange(2**31)
-        request = ChatRequest(self.controller.new_id(),
-                              tuple((m.role, m.text) for m in messages), self._format(),
-                              self.settings, seed, continuing=kind == "continue")
-        self.pending = Pending(request.request_id, self.conversation.id, kind, continued)
-        self._set_idle(False)
-        if kind == "race":
-            self.race_window = RaceWindow(FORMATS[self._format()].monospace, self)
-            self.race_window.show()
-            self.controller.race(request)
-        else:
-            self.chat.begin_reply(continuing=kind == "continue")
-            self.stats.begin_reply(self.settings.mode)
-            self.controller.generate(request)
-        return request.request_id
+    def race(self, conversation_id: int) -> None:
+        if self.pending is None:
+            self._request(conversation_id, "race")
 
     def stop(self) -> None:
-        self.controller.stop()
-
-    def race(self) -> None:
-        if self.pending is None and self.conversation is not None:
-            self._request("race")
+        self.engine.stop()
 
     def copy_last(self) -> None:
         text = self.chat.last_reply_text()
@@ -139,45 +117,69 @@ class ReplyFlow:
             QGuiApplication.clipboard().setText(text)
             self.status.setText("Copied the last reply")
 
-    # ------------------------------------------------------------------ worker signals
-    def _status(self, text: str) -> None:
-        self.status.setText(text)
+    def draw(self) -> None:
+        """Show what streamed since the last frame (the window's timer paces this)."""
+        if self.pending is not None and self.pending.runs:
+            self.chat.append_runs(self.pending.runs)
+            self.pending.runs = []
+        self.stats.refresh()
 
-    def _loaded(self, info: ModelInfo) -> None:
-        self.info = info
-        draft = info.draft or "none"
-        self.model_label.setText(f" target: {info.target} · draft: {draft} · "
-                                 f"{info.n_ctx}-token window · {info.threads} "
-                                 f"thread{'s' if info.threads != 1 else ''} ")
-        one = info.verify_ms.get(1)
-        note = (f"Speedup is estimated against plain decoding of the same target, timed on "
-                f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
-                f"tokens/s" + (f"; one target pass {one:.1f} ms" if one else "") + "). "
-                "Race measures it side by side.")
-        self.stats.set_plain_speed(info.plain_seconds_per_token, note)
-        if self.conversation is None:
-            self._sync_format_widgets()
-        if self.banner.kind == "error" and "load" in self.banner.text().lower():
-            self.banner.hide()
-        self.models_loaded.emit()
+    def _last_reply(self, conversation_id: int) -> Message | None:
+        """The conversation's last message if it is the model's and no reply is running."""
+        if self.pending is not None:
+            return None
+        messages = self.history.messages(conversation_id)
+        return messages[-1] if messages and messages[-1].role == "assistant" else None
 
-    def _load_failed(self, reason: str) -> None:
-        self.banner.show_message(f"Could not load the models: {reason}")
-        if self.info is None:
-            self.model_label.setText(" no model loaded ")
-        self.load_failed.emit(reason)
+    def _replies(self, conversation_id: int) -> list[dict]:
+        return [m.stats for m in self.history.messages(conversation_id) if m.role == "assistant"]
 
+    def _request(self, conversation_id: int, kind: str,
+                 continued: Message | None = None) -> int | None:
+        messages = self.history.messages(conversation_id)
+        if kind == "race":
+            while messages and messages[-1].role != "user":
+                messages.pop()
+        if not messages:
+            return None
+        settings = self._settings()
+        seed = settings.seed if settings.seed >= 0 else random.randrange(2**31)
+        request = ChatRequest(self.engine.new_id(), tuple((m.role, m.text) for m in messages),
+                              self._format(), settings, seed, continuing=kind == "continue")
+        self.pending = Pending(request.request_id, conversation_id, kind, continued)
+        self.busy_changed.emit(True)
+        if kind == "race":
+            self.race_window = RaceWindow(FORMATS[request.format].monospace, self._parent)
+            self.race_window.show()
+            self.engine.race(request)
+        else:
+            self.chat.begin_reply(continuing=kind == "continue")
+            self.stats.begin_reply(self._before(settings.mode))
+            self.engine.generate(request)
+        return request.request_id
+
+    def _before(self, mode: str) -> RunStats:
+        """The statistics a streaming reply starts from: the continued reply's steps."""
+        assert self.pending is not None
+        old = self.pending.continued
+        return continued(stored_run(old.stats) if old else None, RunStats(mode=mode))
+
+    def _shows_pending(self) -> bool:
+        return self.pending is not None and self._shown() == self.pending.conversation_id
+
+    # ------------------------------------------------------------------ the engine's answers
     def _started(self, ev: ReplyStarted) -> None:
         if self.pending is None or ev.request_id != self.pending.request_id:
             return
         self.pending.dropped = ev.dropped
         if ev.dropped:
+            info = self._models()
             self.banner.show_message(
-                f"This chat is longer than the model's {self.info.n_ctx if self.info else ''}"
+                f"This chat is longer than the model's {info.n_ctx if info else ''}"
                 f"-token window: the oldest {ev.dropped} message(s) were left out of the "
                 "prompt.", "warning")
-        if self.pending.kind != "race":
-            self.stats.begin_reply(ev.mode)
+        if self.pending.kind != "race" and self._shows_pending():
+            self.stats.begin_reply(self._before(ev.mode))
 
     def _step(self, ev: StepEvent) -> None:
         if self.pending is None or ev.request_id != self.pending.request_id:
@@ -186,73 +188,81 @@ class ReplyFlow:
         self.stats.add_step(ev.stats)
         self.step_shown.emit(ev)
 
-    def _draw(self) -> None:
-        if self.pending is not None and self.pending.runs:
-            self.chat.append_runs(self.pending.runs)
-            self.pending.runs = []
-        self.stats.refresh()
-
     def _finished(self, done: ReplyDone) -> None:
         pending = self.pending
         if pending is None or done.request_id != pending.request_id:
             return
-        self._draw()
+        self.draw()
+        shows = self._shows_pending()
         self.pending = None
-        if pending.kind == "continue" and pending.continued is not None:
-            old = pending.continued
-            text = old.text + done.text
-            runs = runs_of(old.text, old.stats.get("origin_runs", [])) + streamed_runs(done)
-            tokens, origins = old.tokens + done.tokens, old.origins + done.origins
-            run = RunStats(mode=done.mode, steps=run_of(old).steps + done.run.steps)
-        else:
-            text, runs, tokens, origins, run = (done.text, streamed_runs(done), done.tokens,
-                                                done.origins, done.run)
-        stats = {**run.summary(), "origin_runs": origin_runs(runs),
-                 "format": self._format()}
-        if self.info is not None and run.steps:
-            stats["estimated_speedup"] = run.estimated_speedup(self.info.plain_seconds_per_token)
+        message = self._store(pending, done)
+        if shows:
+            self._show_stored(message, pending.conversation_id)
+        if done.finish == "context":
+            self.banner.show_message("The reply reached the end of the context window. The "
+                                     "next message will leave out the oldest turns.", "warning")
+        self.stored.emit(pending.conversation_id)
+        self.busy_changed.emit(False)
+        self.reply_finished.emit(done.request_id)
+
+    def _store(self, pending: Pending, done: ReplyDone, error: str = "") -> Message | None:
+        """Store the reply (a continued one replaces the reply it continues); None if the
+        history refused it, which the banner says."""
+        old = pending.continued
+        text, tokens, origins, run = done.text, done.tokens, done.origins, done.run
+        runs = [(t, o) for t, o in done.pieces if t]
+        if old is not None:
+            text, tokens, origins = old.text + text, old.tokens + tokens, old.origins + origins
+            runs = runs_of(old.text, old.stats.get("origin_runs", [])) + runs
+            run = continued(stored_run(old.stats), run)
+        info = self._models()
+        stats = reply_stats(run, info.plain_seconds_per_token if info else 0.0, runs,
+                            self._format(), error)
         try:
             message = self.history.add_message(pending.conversation_id, "assistant", text,
                                                tokens=tokens, origins=origins,
                                                finish=done.finish, stats=stats, mode=done.mode)
-            if pending.continued is not None:
-                self.history.delete_message(pending.continued.id)
+            if old is not None:
+                self.history.delete_message(old.id)
         except (HistoryError, ValueError) as exc:
             self.banner.show_message(f"Could not save the reply: {exc}")
-            message = None
-        if self.conversation is not None and self.conversation.id == pending.conversation_id:
-            self.chat.end_reply(footer(stats, done.mode, done.finish))
-            if message is not None:
-                self.chat.messages[-1].created = message.created
-        if done.finish == "context":
-            self.banner.show_message("The reply reached the end of the context window. The "
-                                     "next message will leave out the oldest turns.", "warning")
-        self._reload_list()
-        self._set_idle(True)
-        self.reply_finished.emit(done.request_id)
+            return None
+        return message
+
+    def _show_stored(self, message: Message | None, conversation_id: int) -> None:
+        """End the streamed reply as it was stored: its text by origin, its footer, and the
+        statistics panel as reopening the conversation would show it."""
+        if message is None:
+            self.chat.end_reply("")
+            return
+        view = shown(message)
+        self.chat.end_reply(view.footer, view.runs, view.created)
+        self.stats.show_conversation(self._replies(conversation_id))
 
     def _failed(self, failure: ReplyFailed) -> None:
         pending = self.pending
-        request_id, reason, partial = failure.request_id, failure.reason, failure.partial
-        if pending is None or request_id != pending.request_id:
+        if pending is None or failure.request_id != pending.request_id:
             return
+        if pending.kind != "race":
+            self.draw()
+        shows = self._shows_pending()
         self.pending = None
         if pending.kind == "race":
             if self.race_window is not None:
-                self.race_window.failed(reason)
+                self.race_window.failed(failure.reason)
+        elif failure.partial is not None and pending.kind == "reply":
+            # keep what was written before the failure
+            message = self._store(pending, failure.partial, failure.reason)
+            if shows:
+                self._show_stored(message, pending.conversation_id)
+            self.stored.emit(pending.conversation_id)
+        elif pending.kind == "reply":
+            self.chat.drop_last()
         else:
-            self._draw()
-            if partial and pending.kind == "reply":  # keep what was written before the failure
-                self.history.add_message(pending.conversation_id, "assistant", partial.text,
-                                         finish="error", stats={"error": reason})
-                self.chat.end_reply(f"stopped by an error: {reason}")
-            elif pending.kind == "reply":
-                self.chat.drop_last()
-            else:
-                self.chat.end_reply("")
-        self.banner.show_message(reason)
-        self._set_idle(True)
-        self.reply_finished.emit(request_id)
+            self.chat.end_reply("")
+        self.banner.show_message(failure.reason)
+        self.busy_changed.emit(False)
+        self.reply_finished.emit(failure.request_id)
 
     def _race_progress(self, request_id: int, mode: str, tokens: int) -> None:
         if self.race_window is not None and self.pending and self.pending.request_id == \
@@ -260,15 +270,14 @@ class ReplyFlow:
             self.race_window.progress(mode, tokens)
 
     def _race_finished(self, result: RaceResult) -> None:
-        if self.pending is None or result.request_id != self.pending.request_id:
+        pending = self.pending
+        if pending is None or result.request_id != pending.request_id:
             return
         self.pending = None
-        self._set_idle(True)
-        if self.race_window is not None and self.conversation is not None:
-            messages = self.history.messages(self.conversation.id)
+        self.busy_changed.emit(False)
+        if self.race_window is not None:
+            messages = self.history.messages(pending.conversation_id)
             while messages and messages[-1].role != "user":
                 messages.pop()
-            prompt = messages[-1].text if messages else ""
-            self.race_window.show_result(result, prompt)
+            self.race_window.show_result(result, messages[-1].text if messages else "")
         self.race_done.emit()
-

@@ -1,14 +1,20 @@
 """Live statistics: meters, acceptance by depth, each stage's share, the time split, a chart.
 
-Every figure comes from ``speculative.stats.RunStats`` (the panel keeps one for the reply being
-written, fed with each step's ``StepStats``); the panel only displays. Redraws are paced by the
-main window's timer, not by the steps, which can come thousands of times per second.
+Every figure comes from ``speculative.stats.RunStats``: while a reply streams, the panel keeps
+one fed with each step's ``StepStats``; for a stored reply it shows the figures stored with it
+(``app.replies``). The chart has one point per step, over the conversation's stored steps and
+the streaming reply's, so a conversation reopened from the history shows the chart it showed
+when it was written. The panel only displays. Redraws are paced by the main window's timer, not
+by the steps, which can come thousands of times per second.
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+from typing import Any
+
 from PySide6.QtCharts import QChart, QChartView, QLineSeries, QValueAxis
-from PySide6.QtCore import QMargins, QRectF, Qt, Signal
+from PySide6.QtCore import QMargins, QPointF, QRectF, Qt, Signal
 from PySide6.QtGui import QColor, QFont, QPainter, QPalette, QPen
 from PySide6.QtWidgets import (
     QCheckBox,
@@ -21,6 +27,7 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
+from app.replies import figures, stored_run
 from app.ui.theme import ORIGIN_LABELS, ORIGIN_SOLID, TIME_COLOURS
 from speculative.stats import ORIGINS, RunStats, StepStats
 
@@ -132,14 +139,34 @@ class DepthBars(QWidget):
                 p.drawText(label, Qt.AlignmentFlag.AlignCenter, f"{r:.0%}")
 
 
+Point = tuple[float, float, float]  # (tokens in the conversation, tokens/s, tau)
+
+
+def chart_points(steps: Sequence[StepStats], x0: float, first: int = 0) -> list[Point]:
+    """A point after each of ``steps[first:]``: the conversation's tokens so far (``x0`` before
+    ``steps[0]``), and tokens/s and tau over the ``ROLLING`` steps up to it."""
+    x = x0 + sum(s.emitted for s in steps[:first])
+    points = []
+    for i in range(first, len(steps)):
+        x += steps[i].emitted
+        recent = RunStats(steps=list(steps[max(0, i + 1 - ROLLING):i + 1]))
+        points.append((x, recent.tokens_per_second, recent.tau))
+    return points
+
+
 class StatsPanel(QWidget):
     show_origins_changed = Signal(bool)
 
     def __init__(self, parent: QWidget | None = None) -> None:
         super().__init__(parent)
-        self.run = RunStats()
+        self.run: RunStats | None = None  # the reply shown (None: stored without its steps)
+        self.figures: dict[str, Any] = {}  # ... and what the meters show of it
+        self.streaming = False  # ``run`` is a reply being written, fed step by step
         self.plain_seconds_per_token = 0.0
-        self._conversation_tokens = 0
+        self._x0 = 0.0      # the conversation's tokens before the streaming reply's first step
+        self._charted = 0   # the streaming reply's steps already on the chart
+        self._tokens = 0.0  # the conversation's tokens, where the chart ends
+        self._max_speed, self._max_tau = 1.0, 1.0  # the highest points yet, with headroom
         self._dirty = False
         self.speed = Meter("tokens/s")
         self.speedup = Meter("speedup (est.)", "This reply's tokens/s times the seconds per "
@@ -178,6 +205,7 @@ class StatsPanel(QWidget):
         layout.addWidget(self.detail)
         layout.addWidget(_caption("This conversation: tokens/s and tau"))
         layout.addWidget(self.chart_view, 1)
+        self.show_conversation([])
 
     def _make_chart(self) -> QChartView:
         chart = QChart()
@@ -203,7 +231,6 @@ class StatsPanel(QWidget):
                              (self.tau_series, self.tau_axis)):
             series.attachAxis(self.x_axis)
             series.attachAxis(axis)
-        self._max_speed, self._max_tau = 1.0, 1.0
         view = QChartView(chart)
         view.setRenderHint(QPainter.RenderHint.Antialiasing)
         view.setMinimumHeight(170)
@@ -222,35 +249,57 @@ class StatsPanel(QWidget):
         self.plain_seconds_per_token = seconds_per_token
         self.estimate_note.setText(note)
 
-    def new_conversation(self, tokens_so_far: int = 0) -> None:
+    def show_conversation(self, replies: list[dict[str, Any]]) -> None:
+        """A conversation's stored replies (each one's ``stats``, oldest first): the chart of
+        all their steps, and the figures of the last."""
         self.speed_series.clear()
         self.tau_series.clear()
         self._max_speed, self._max_tau = 1.0, 1.0
-        self._conversation_tokens = tokens_so_far
-        self.x_axis.setRange(0, max(100, tokens_so_far))
+        x = 0.0
+        for stats in replies:
+            run = stored_run(stats)
+            if run is None:  # stored without its steps: its tokens only move the chart on
+                x += float(stats.get("tokens", 0))
+                continue
+            self._plot(chart_points(run.steps, x))
+            x += run.tokens
+        self._tokens = x
+        last = replies[-1] if replies else {}
+        self.run, self.figures, self.streaming = stored_run(last) if last else None, last, False
+        self._set_ranges()
+        self._dirty = True
+        self.refresh()
 
-    def begin_reply(self, mode: str) -> None:
-        self.run = RunStats(mode=mode)
+    def begin_reply(self, run: RunStats) -> None:
+        """A reply starts streaming; ``run`` holds the steps of the reply it continues, the last
+        on the chart, if any."""
+        self.run, self.streaming = run, True
+        self._charted = len(run.steps)
+        self._x0 = self._tokens - run.tokens
         self._dirty = True
 
     def add_step(self, stats: StepStats) -> None:
-        self.run.add(stats)
-        self._conversation_tokens += stats.emitted
-        self._dirty = True
-
-    def show_run(self, run: RunStats) -> None:
-        """Show a finished reply's statistics (e.g. when a conversation is opened)."""
-        self.run = run
-        self._dirty = True
-        self.refresh(add_point=False)
+        if self.streaming and self.run is not None:
+            self.run.add(stats)
+            self._dirty = True
 
     # --- display ---
-    def refresh(self, add_point: bool = True) -> None:
+    def refresh(self) -> None:
         if not self._dirty:
             return
         self._dirty = False
-        run = self.run
-        if not run.steps:
+        if self.streaming and self.run is not None:
+            self.figures = figures(self.run, self.plain_seconds_per_token)
+            points = chart_points(self.run.steps, self._x0, self._charted)
+            self._charted = len(self.run.steps)
+            if points:
+                self._plot(points)
+                self._tokens = points[-1][0]
+                self._set_ranges()
+        self._show(self.figures)
+
+    def _show(self, f: dict[str, Any]) -> None:
+        if not f.get("target_passes"):
             for m in (self.speed, self.speedup, self.tau):
                 m.set("–")
             self.depth.set_rates([])
@@ -258,39 +307,44 @@ class StatsPanel(QWidget):
             self.time.set_values({})
             self.detail.setText("")
             return
-        self.speed.set(f"{run.tokens_per_second:.0f}")
-        if self.plain_seconds_per_token > 0:
-            self.speedup.set(f"{run.estimated_speedup(self.plain_seconds_per_token):.2f}×")
-        self.tau.set(f"{run.tau:.2f}")
-        self.depth.set_rates(run.depth_acceptance())
-        origins = run.origins()
-        self.origins.set_values({o: float(origins[o]) for o in ORIGINS})
-        self.time.set_values(run.time_split())
-        split = run.time_split()
+        self.speed.set(f"{f.get('tokens_per_second', 0.0):.0f}")
+        speedup = f.get("estimated_speedup")
+        self.speedup.set(f"{speedup:.2f}×" if speedup is not None else "–")
+        self.tau.set(f"{f.get('tau', 0.0):.2f}")
+        self.depth.set_rates(list(f.get("depth_acceptance", [])))
+        origins = f.get("origins", {})
+        self.origins.set_values({o: float(origins.get(o, 0)) for o in ORIGINS})
+        split = {k: float(f.get("time", {}).get(k, 0.0)) for k in TIME_COLOURS}
+        self.time.set_values(split)
         self.detail.setText(
-            f"{run.mode}: {run.tokens} tokens in {len(run.steps)} target passes; "
-            f"{run.mean_drafted:.1f} drafted, {run.mean_accepted:.2f} accepted per pass; "
-            f"draft calls per pass {run.draft_calls_per_step:.2f}; stage-2 hit rate "
-            f"{run.stage2_hit_rate:.0%}. Time: draft {split['draft'] * 1000:.0f} ms, stage 2 "
-            f"{split['stage2'] * 1000:.0f} ms, verify {split['verify'] * 1000:.0f} ms, other "
-            f"{split['other'] * 1000:.0f} ms.")
-        if add_point:
-            self._add_point(run)
+            f"{f.get('mode', '')}: {f.get('tokens', 0)} tokens in {f['target_passes']} target "
+            f"passes; {f.get('mean_drafted', 0.0):.1f} drafted, "
+            f"{f.get('mean_accepted', 0.0):.2f} accepted per pass; draft calls per pass "
+            f"{f.get('draft_calls_per_step', 0.0):.2f}; stage-2 hit rate "
+            f"{f.get('stage2_hit_rate', 0.0):.0%}. Time: draft {split['draft'] * 1000:.0f} ms, "
+            f"stage 2 {split['stage2'] * 1000:.0f} ms, verify {split['verify'] * 1000:.0f} ms, "
+            f"other {split['other'] * 1000:.0f} ms.")
 
-    def _add_point(self, run: RunStats) -> None:
-        recent = RunStats(steps=run.steps[-ROLLING:])
-        x = float(self._conversation_tokens)
-        speed, tau = recent.tokens_per_second, recent.tau
-        for series, y in ((self.speed_series, speed), (self.tau_series, tau)):
-            series.append(x, y)
+    def _plot(self, points: list[Point]) -> None:
+        self.speed_series.append([QPointF(x, s) for x, s, _ in points])
+        self.tau_series.append([QPointF(x, t) for x, _, t in points])
+        for series in (self.speed_series, self.tau_series):
             if series.count() > MAX_POINTS:
                 series.removePoints(0, series.count() - MAX_POINTS)
-        self._max_speed = max(self._max_speed, speed * 1.15)
-        self._max_tau = max(self._max_tau, tau * 1.15)
-        first = self.speed_series.at(0).x() if self.speed_series.count() else 0.0
-        self.x_axis.setRange(first, max(x, first + 50))
-        self.speed_axis.setRange(0, self._max_speed)
-        self.tau_axis.setRange(0, self._max_tau)
+        self._max_speed = max([self._max_speed, *(s * 1.15 for _, s, _ in points)])
+        self._max_tau = max([self._max_tau, *(t * 1.15 for _, _, t in points)])
+
+    def _set_ranges(self) -> None:
+        if self.speed_series.count():
+            first = self.speed_series.at(0).x()
+            self.x_axis.setRange(first, max(self._tokens, first + 50))
+        else:
+            self.x_axis.setRange(0, max(100.0, self._tokens))
+        for axis, top in ((self.speed_axis, max(10.0, self._max_speed)),
+                          (self.tau_axis, max(2.0, self._max_tau))):
+            axis.setRange(0, top)
+            axis.setTickCount(5)  # nice numbers start from it and change it
+            axis.applyNiceNumbers()
 
 
 def _caption(text: str) -> QLabel:

@@ -92,7 +92,9 @@ class Reply:
         """One event per step, until the engine finishes or a stop string ends the text."""
         for step in steps:
             pieces = self.text.feed(step.tokens, step.origins, final=step.finish is not None)
-            yield StepEvent(self.request_id, pieces, step.tokens, step.stats)
+            # a cancel before a step began is no step (the run does not count it)
+            if pieces or step.tokens or step.finish != "cancelled":
+                yield StepEvent(self.request_id, pieces, step.tokens, step.stats)
             if step.finish is not None or self.text.stopped:
                 self.finish = "stop" if self.text.stopped else step.finish
                 return

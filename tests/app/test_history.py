@@ -29,6 +29,7 @@ from app.history import (
     to_markdown,
     write_text_atomic,
 )
+from app.replies import footer
 from speculative.stats import RunStats, StepStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -62,7 +63,7 @@ def _summary() -> dict:
                       origins={"draft": 1, "ngram": 1, "target": 1}, draft_calls=3,
                       stage2_proposed=4, stage2_used=1, t_draft=0.01, t_stage2=0.001,
                       t_verify=0.02, t_other=0.001))
-    return {**run.summary(), "speedup": 1.8}
+    return {**run.summary(), "estimated_speedup": 1.8}
 
 
 def _reply(store: History, conversation_id: int, text: str = "return a + b") -> Message:
@@ -464,9 +465,10 @@ def test_markdown_export_fences_code_conversations(store: History) -> None:
     assert "## User\n\n```python\ndef fib(n):\n```" in text
     assert ("## Assistant\n\n````python\n    return n if n < 2 else fib(n - 1) + "
             "fib(n - 2)  # ```\n````") in text  # a longer fence than the backticks inside
-    assert "staged · stop · 3 tokens" in text
-    assert "1.80x plain" in text
-    assert "tau 3.00" in text
+    reply = store.messages(c.id)[-1]
+    line = footer(reply.stats, reply.mode, reply.finish or "")
+    assert f"*{line}*" in text  # the line the window shows under the reply
+    assert "3 tokens" in line and "1.80" in line and "3.00" in line
 
 
 def test_markdown_export_of_a_transcript_has_no_fences(store: History) -> None:
@@ -479,7 +481,7 @@ def test_markdown_export_of_a_transcript_has_no_fences(store: History) -> None:
     assert text.startswith("# Untitled conversation\n")
     headings = [line for line in text.splitlines() if line.startswith("## ")]
     assert headings == ["## System", "## User", "## Assistant"]
-    assert "## User\n\nHello?\n\n## Assistant\n\nHi.\n\n*staged · stop" in text
+    assert "## User\n\nHello?\n\n## Assistant\n\nHi.\n\n*staged  ·  3 tokens" in text
     assert "```" in to_markdown(store.conversation(c.id), store.messages(c.id), code=True)
 
 
@@ -494,7 +496,7 @@ def test_json_export_has_everything(store: History) -> None:
     reply = data["messages"][1]
     assert reply["tokens"] == [7, 8, 9]
     assert reply["origins"] == ["draft", "ngram", "target"]
-    assert reply["stats"]["tau"] == 3.0 and reply["stats"]["speedup"] == 1.8
+    assert reply["stats"]["tau"] == 3.0 and reply["stats"]["estimated_speedup"] == 1.8
     assert reply["finish"] == "stop" and reply["mode"] == "staged"
     assert [Message(**m) for m in data["messages"]] == messages
 

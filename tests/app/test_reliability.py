@@ -32,6 +32,7 @@ from app.ui.main_window import MainWindow
 from app.worker.messages import StepEvent
 from models.catalog import builtin_pair
 from speculative.engine import Step
+from speculative.errors import LlamaError
 from speculative.stats import StepStats
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -329,6 +330,43 @@ def test_closing_mid_reply_ends_the_thread_and_frees_the_models(
     assert pair.target_ctx._ctx is None and pair.draft_ctx._ctx is None
     assert threading.active_count() == threads
 
+
+
+def test_a_failure_mid_reply_keeps_what_was_written(qtbot: Any, data_dir: Path) -> None:
+    """The engine fails after some steps: the reply it streamed is stored with its tokens and
+    statistics, and shown as stored, with the reason, now and when the chat is reopened."""
+    window = _open(qtbot, data_dir, mode="plain")
+    pair, engine = window.controller.worker._pair, window.controller.worker._engine
+    assert pair is not None and engine is not None
+    tokens = pair.target.vocab.tokenize("    total = 0\n    for x in")
+    streamed = _steps_of(tokens, 2)
+
+    def failing(*args: Any, **kwargs: Any) -> Iterator[Step]:
+        steps = streamed(*args, **kwargs)
+        for _ in range(3):
+            yield next(steps)
+        raise LlamaError("llama_decode returned -3")
+
+    engine.generate = failing  # type: ignore[method-assign]
+    steps: list[StepEvent] = []
+    window.step_shown.connect(steps.append)
+    _send(qtbot, window, "def f(xs):\n")
+    reply = _messages(window)[-1]
+    assert reply.role == "assistant" and reply.finish == "error"
+    assert reply.tokens == tokens[:6] and reply.text == "".join(
+        t for ev in steps for t, _ in ev.pieces) != ""
+    assert reply.stats["error"] == "llama_decode returned -3"
+    assert reply.stats["target_passes"] == 3 and reply.stats["tokens"] == 6
+    assert window.banner.text() == "llama_decode returned -3" and _idle(window)
+    shown = window.chat.messages[-1]
+    assert window.chat.last_reply_text() == reply.text
+    assert shown.footer.endswith("stopped by an error: llama_decode returned -3")
+    assert "6 tokens" in shown.footer
+    window.close()
+    again = _open(qtbot, data_dir, mode="plain")
+    assert again.chat.messages[-1].footer == shown.footer
+    assert again.chat.last_reply_text() == reply.text
+    again.close()
 
 
 # ---------------------------------------------------------------- history

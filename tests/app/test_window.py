@@ -77,7 +77,7 @@ def test_statistics_arrive_while_the_reply_streams(qtbot, window: MainWindow) ->
     seen_during: list[str] = []
 
     def peek(_ev: StepEvent) -> None:  # runs on the GUI thread, before the reply is stored
-        window._draw()
+        window.replies.draw()
         seen_during.append(window.stats.speed.value.text())
 
     window.step_shown.connect(peek)
@@ -244,3 +244,90 @@ def test_the_built_in_target_chosen_by_its_file_still_completes_code(qtbot, data
     assert window.info is not None and window.info.builtin
     assert window._format() == "code"
     window.close()
+
+
+def _panel(window: MainWindow) -> dict:
+    """What the statistics panel shows: meters, bars, the detail line, the chart."""
+    s = window.stats
+    return {"meters": [m.value.text() for m in (s.speed, s.speedup, s.tau)],
+            "detail": s.detail.text(), "depth": s.depth.rates, "origins": s.origins.values,
+            "time": s.time.values, "chart": _chart(window),
+            "ranges": [(a.min(), a.max()) for a in (s.x_axis, s.speed_axis, s.tau_axis)]}
+
+
+def _chart(window: MainWindow) -> list[list[tuple[float, float]]]:
+    return [[(p.x(), p.y()) for p in (series.at(i) for i in range(series.count()))]
+            for series in (window.stats.speed_series, window.stats.tau_series)]
+
+
+def test_a_reopened_conversation_shows_the_statistics_and_chart_it_was_written_with(
+        qtbot, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir, mode="tree")
+    live: list = []
+
+    def drawn(_ev: StepEvent) -> None:  # the chart as it streams, step by step
+        window.replies.draw()
+        live.append(_chart(window))
+
+    window.step_shown.connect(drawn)
+    _reply(qtbot, window, PROMPT)
+    assert live[-1] == _chart(window)  # streamed, then rebuilt from the history: the same
+    _reply(qtbot, window, "\n\ndef main():\n")
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        window.continue_reply()
+    assert live[-1] == _chart(window)
+    replies = [m for m in window.history.messages(window.conversation.id)
+               if m.role == "assistant"]
+    assert len(replies) == 2 and replies[-1].finish in ("stop", "length", "context")
+    written = _panel(window)
+    steps = sum(r.stats["target_passes"] for r in replies)
+    assert len(written["chart"][0]) == steps > 2  # a point per step of every reply
+    assert written["meters"][2] == f"{replies[-1].stats['tau']:.2f}"
+    assert "\u2013" not in written["meters"]  # an en dash: no value
+    assert f"in {replies[-1].stats['target_passes']} target passes" in written["detail"]
+    footers = [m.footer for m in window.chat.messages]
+    window.close()
+    again = _open(qtbot, data_dir, mode="tree")
+    assert _panel(again) == written
+    assert [m.footer for m in again.chat.messages] == footers
+    again.close()
+
+
+def test_a_reply_stored_before_steps_were_kept_shows_its_stored_figures(
+        qtbot, data_dir: Path) -> None:
+    """An older history holds a reply's summary only: it is shown as stored, and no steps are
+    made up (once, a made-up single step showed 196 tokens per target pass)."""
+    from app.history import History
+
+    data_dir.mkdir(parents=True)
+    stored = {"mode": "auto", "tokens": 196, "target_passes": 183, "tau": 1.07,
+              "mean_accepted": 0.07, "mean_drafted": 0.24, "depth_acceptance": [0.3, 0.1],
+              "origins": {"draft": 9, "ngram": 4, "target": 183}, "draft_calls_per_step": 0.2,
+              "stage2_hit_rate": 0.0, "tokens_per_second": 51.5, "estimated_speedup": 1.04,
+              "time": {"prefill": 0.01, "draft": 0.2, "stage2": 0.05, "verify": 3.4,
+                       "other": 0.15}, "origin_runs": [[4, "target"]], "format": "code"}
+    with History(data_dir / "history.sqlite3") as history:
+        c = history.create_conversation("old", prompt_format="code")
+        history.add_message(c.id, "user", PROMPT)
+        history.add_message(c.id, "assistant", "    pass\n", tokens=list(range(196)),
+                            origins=["target"] * 196, finish="length", stats=stored,
+                            mode="auto")
+    window = _open(qtbot, data_dir)
+    shown = _panel(window)
+    assert shown["meters"] == ["52", "1.04\u00d7", "1.07"]
+    assert shown["detail"].startswith("auto: 196 tokens in 183 target passes; 0.2 drafted")
+    assert shown["depth"] == [0.3, 0.1] and shown["chart"] == [[], []]
+    assert "1.07" in window.chat.messages[-1].footer
+    window.close()
+
+
+def test_an_exported_conversation_shows_every_figure_the_window_shows(
+        qtbot, window: MainWindow, tmp_path: Path) -> None:
+    _reply(qtbot, window, PROMPT)
+    line = window.chat.messages[-1].footer
+    assert "\u2248" in line and "tok/s" in line  # the estimated speedup is among them
+    path = tmp_path / "chat.md"
+    assert window.conversation is not None
+    window.export(window.conversation.id, "markdown", str(path))
+    assert f"*{line}*" in path.read_text("utf-8")
+
