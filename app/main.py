@@ -20,6 +20,7 @@ from pathlib import Path
 from PySide6.QtCore import QObject, QTimer, Signal
 from PySide6.QtWidgets import QApplication, QWidget
 
+from app import display
 from app.history import History, HistoryError, default_path
 from app.settings import SettingsStore
 from app.ui.main_window import MainWindow
@@ -69,9 +70,14 @@ def _drops(singleton: object, call: Callable[[], object]) -> bool:
 
 
 def create_app() -> QApplication:
+    """The application object. Where Qt could not open a window (missing X11 libraries), exit
+    with a hint that names them instead of Qt's abort."""
     keep_singletons_alive()
     app = QApplication.instance()
     if app is None:
+        trouble = display.problem()
+        if trouble is not None:
+            raise SystemExit(trouble)  # printed on stderr; exit status 1
         app = QApplication(sys.argv[:1])
     app.setOrganizationName("Staged Chat")
     app.setApplicationName("Staged Chat")

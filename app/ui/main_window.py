@@ -105,6 +105,7 @@ class MainWindow(QMainWindow):
         else:
             self._show_empty()
         self.status.setText("Loading models…")
+        self.input.setFocus()  # at first launch too: the user's first act is to type
         self.controller.load(self.settings)
 
     # ------------------------------------------------------------------ requests

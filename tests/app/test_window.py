@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+from PySide6.QtWidgets import QApplication
 
 from app.main import open_window
 from app.tools.cli import main as cli_main
@@ -331,3 +332,11 @@ def test_an_exported_conversation_shows_every_figure_the_window_shows(
     window.export(window.conversation.id, "markdown", str(path))
     assert f"*{line}*" in path.read_text("utf-8")
 
+
+def test_keyboard_focus_starts_in_the_message_box(qtbot, data_dir: Path) -> None:
+    window = _open(qtbot, data_dir)
+    window.show()
+    window.activateWindow()
+    qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=5_000)
+    assert QApplication.focusWidget() is window.input
+    window.close()
