@@ -58,10 +58,10 @@ FOLLOW_UPS = ("\n\ndef main():\n", "\n\nclass Config:\n", "\n\nif __name__ == '_
 NO_DRAFT = (Mode.PLAIN.value, Mode.NGRAM.value, Mode.AUTO.value)  # modes the target alone runs
 RSS_MARGIN_KIB = 32 * 1024  # "flat": within this of the warm-up figure
 WAIT_S = 600.0              # a reply or a model load that takes longer is a hang
-WARM_UP = 1 / 3             # of the tokens. Measured: the RSS after each load climbs for the
-                            # first ~10-15 loads, then stays within a few MiB (the allocator: no
-                            # Engine, n-gram model or LlamaModel outlives its load, by gc count);
-                            # a third of 20,000 tokens at a switch every 3 turns holds ~11 loads
+# of the tokens: the resident memory after a model load climbs over the first loads while the
+# allocator settles (no Engine, n-gram model or LlamaModel outlives its load), then stays level;
+# the warm-up is long enough to hold those first loads at the default switching pace
+WARM_UP = 1 / 3
 
 
 @dataclasses.dataclass(slots=True)
@@ -86,8 +86,8 @@ class SoakReport:
 
     @property
     def rss_flat(self) -> bool:
-        """No new high after the warm-up: where each load's buffers land varies by tens of MiB
-        (the pair holds ~50 MiB more than the target alone), a leak climbs past them."""
+        """No new high after the warm-up: where each load's buffers land varies from load to
+        load (the pair holds more than the target alone), a leak climbs past that."""
         return self.rss_peak_kib - self.rss_warm_kib <= RSS_MARGIN_KIB
 
     @property

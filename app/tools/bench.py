@@ -54,7 +54,7 @@ from speculative.stats import RunStats
 
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 PROMPT_SETS = {"code": ASSETS / "bench_prompts.txt", "chat": ASSETS / "chat_prompts.txt"}
-SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the sampled setting
+SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the sampled setting the results report
 
 
 def load_prompts(path: Path) -> list[str]:

@@ -91,7 +91,7 @@ def build_parser() -> argparse.ArgumentParser:
                           "or 'all' compares them")
     src = gen.add_mutually_exclusive_group()
     # the kind of prompt the built-in target was judged on (models.evaluate --samples): a
-    # signature and a docstring. After a bare "def f(n):" line it still often writes spaces.
+    # signature and a docstring, which say what the body is to do
     src.add_argument("--prompt", default=DEFAULT_PROMPT)
     src.add_argument("--prompt-file", type=Path)
     bench = sub.add_parser("bench", parents=[common],

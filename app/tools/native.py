@@ -3,11 +3,12 @@
     python -m app.tools.native --target T.gguf --draft D.gguf [--prompt TEXT] [-n 64] [--threads 2]
 
 Why: our decoding goes through llama-cpp-python's ctypes layer and Python code; the C++ programs
-shipped with the same llama.cpp show what the library itself reaches on this machine (issue 8,
-items 3 and 6). They are built on demand from the vendored source of the *installed*
-llama-cpp-python (so both run the same llama.cpp), once, into a cache folder
-(``$XDG_CACHE_HOME`` or ``~/.cache``, then ``staged-chat/native/<version>/``). Nothing built here
-is committed. This module only runs subprocesses; it never imports ``llama_cpp``.
+shipped with the same llama.cpp show what the library itself reaches on this machine, so the
+benchmark can tell our overhead from llama.cpp's speed. They are built on demand from the
+vendored source of the *installed* llama-cpp-python (so both run the same llama.cpp), once,
+into a cache folder (``$XDG_CACHE_HOME`` or ``~/.cache``, then
+``staged-chat/native/<version>/``). Nothing built here is committed. This module only runs
+subprocesses; it never imports ``llama_cpp``.
 
 A cache folder holds ``bin/`` with the programs and ``built.json``, the marker written last (by
 an atomic rename) after both programs were built and copied: without it the folder is treated
@@ -137,7 +138,8 @@ def native_tools(cache_dir: Path | None = None, progress: Progress = print,
     (folder / MARKER).unlink(missing_ok=True)
     tools = build_tools(version, folder, progress, jobs or os.cpu_count() or 1)
     write_marker(folder, version, tools)
-    for work in WORK_DIRS:  # ~330 MB that only a rebuild would need; a failed build keeps them
+    # the sources and objects only a rebuild needs (a failed build keeps them: a retry resumes)
+    for work in WORK_DIRS:
         shutil.rmtree(folder / work, ignore_errors=True)
     progress(f"llama.cpp tools of {PACKAGE} {version} are in {folder / 'bin'}")
     return tools
@@ -319,7 +321,8 @@ def shell_form(cmd: list[str], env: Mapping[str, str] | None) -> tuple[str, ...]
 
 def run_tool(cmd: list[str], timeout: float | None,
              env: Mapping[str, str] | None = None) -> tuple[str, str]:
-    """Run a native program with ``env`` added to ours (e.g. OMP_WAIT_POLICY, see issue 8)."""
+    """Run a native program with ``env`` added to ours (e.g. OMP_WAIT_POLICY, which decides
+    whether its threads spin or sleep between tasks)."""
     log.info("running %s", " ".join(shell_form(cmd, env)))
     try:
         proc = subprocess.run(cmd, capture_output=True, text=True, errors="replace",
