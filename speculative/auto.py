@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import dataclasses
 
+from .costmodel import Running
 from .drafting import DraftTree, Expand, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
 from .plan import Path, Scorer, StepKind, StepPlan
 from .policies import (
@@ -42,8 +43,9 @@ from .policies import (
     Resources,
     StepInput,
     drafting_time,
+    grow,
 )
-from .sizing import Running, Sizer
+from .sizing import Sizer
 from .tree import TokenTree
 
 EXPLORE_EVERY = 24  # steps without drafting after which the draft is tried once more
@@ -236,7 +238,7 @@ class AutoPolicy:
         if budget is None:
             return StepPlan.alone(step.root)
         # (a draft batch pays against the whole step's drafting time, the n-gram's included)
-        expand = res.expander(budget)
+        expand = res.expander(budget, staged=True)
         if res.draft is None:
             ngram = res.ngram_drafter(step.params, budget)
             if planner.wants_root():
@@ -307,7 +309,7 @@ class AutoPolicy:
             budget = probe(budget)
         planner.drafted()
         res.feed_ngram(step.committed)  # the draft's stage-2 guesses come from it
-        return grow_tree(drafter, step.committed, budget, step.params, step.rng, expand)
+        return grow(drafter, dataclasses.replace(step, budget=budget), expand)
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:

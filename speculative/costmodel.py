@@ -217,6 +217,24 @@ def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) ->
 
 
 @dataclasses.dataclass(slots=True)
+class Running:
+    """A decayed running mean (recent steps weigh more: the text's difficulty drifts)."""
+
+    total: float = 0.0
+    weight: float = 0.0
+    decay: float = 0.95
+    prior: float = 0.5
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        self.total = self.decay * self.total + value * weight
+        self.weight = self.decay * self.weight + weight
+
+    @property
+    def value(self) -> float:
+        return self.total / self.weight if self.weight > 0 else self.prior
+
+
+@dataclasses.dataclass(slots=True)
 class Calibration:
     """c: accepted tokens / summed scores of the verified trees, averaged over recent steps."""
 

@@ -120,6 +120,7 @@ class ModelDrafter:
         self._committed: list[int] = []
         self._cache: dict[Path, tuple[Slot, np.ndarray]] = {}  # decoded nodes of this step
         self._guessed: set[Path] = set()  # nodes first decoded as n-gram guesses
+        self._used: set[Path] = set()  # ... of which the tree needed these
         self._t_guess = 0.0  # seconds of the last guess (kept out of the draft's time)
 
     def begin(self, committed: Sequence[int]) -> np.ndarray:
@@ -127,6 +128,7 @@ class ModelDrafter:
         self._committed = list(committed)
         self._cache.clear()
         self._guessed.clear()
+        self._used.clear()
         t0 = time.perf_counter()
         # the tokens the draft has not seen yet (the target's bonus token, perhaps an accepted
         # leaf) end with the root; they share one batch with the n-gram's guess after the root
@@ -149,7 +151,7 @@ class ModelDrafter:
         t0 = time.perf_counter()
         self._t_guess = 0.0
         missing = [p for p in paths if p not in self._cache]
-        self.counters.stage2_used += sum(p in self._guessed for p in paths)
+        self._count_used(paths)
         if missing:
             if len(missing) > self.kv.seqs_free:
                 raise DraftExhausted(f"{len(missing)} nodes, {self.kv.seqs_free} sequences left")
@@ -171,6 +173,21 @@ class ModelDrafter:
             self._remember_guess(missing[0], guess, slots[len(missing):], out[len(missing):])
         self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
         return [self._cache[p][1] for p in paths]
+
+    def known(self, path: Path) -> np.ndarray | None:
+        """The draft's logits after ``path`` if a batch of this step already decoded it (a
+        stage-2 guess), without decoding anything; None otherwise."""
+        hit = self._cache.get(path)
+        if hit is None:
+            return None
+        self._count_used([path])
+        return hit[1]
+
+    def _count_used(self, paths: Sequence[Path]) -> None:
+        """Stage-2 guesses the tree needed, each counted once."""
+        used = [p for p in paths if p in self._guessed and p not in self._used]
+        self._used.update(used)
+        self.counters.stage2_used += len(used)
 
     def _room(self, batch: int) -> int:
         """Guess tokens that fit beside a batch of ``batch`` tokens: in the batch, and in the
@@ -313,8 +330,67 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     return _prune(tree, q, final)
 
 
+def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBudget,
+                expand: Expand | None = None) -> DraftTree:
+    """Grow a greedy draft tree best-first, expanding every node whose answer is known.
+
+    A node is expanded (given its ``max_children`` best children) as soon as the draft's
+    answer for it is known and it is among the ``max_nodes`` best, whatever its depth: its
+    answer came from a draft batch that decoded it, or, with stage 2, from a batch that decoded
+    the n-gram's guess of how its parent continues. A guessed spine the draft agrees with
+    therefore yields its levels, with their side branches, from the one batch that checked it.
+    Only nodes with no known answer cost a draft batch (``expand`` says how many of the best
+    take the next one). Greedy only: which nodes grow here depends on the drafted tokens, which
+    greedy verification allows and sampled verification does not (``grow_tree``).
+    """
+    greedy = SamplingParams()
+    tree = TokenTree.rooted(committed[-1])
+    answers: dict[int, Next] = {0: drafter.begin(committed)}
+    expanded: set[int] = set()
+    while True:
+        _expand_known(tree, answers, expanded, budget, drafter, greedy)
+        best = _by_score(tree, tree.top_nodes(budget.max_nodes))
+        frontier = [v for v in best
+                    if v not in expanded and tree.depths[v] < budget.max_depth]
+        if not frontier:
+            break
+        take = len(frontier)
+        if expand is not None:
+            take = expand(tree, frontier, min(tree.depths[v] for v in frontier))
+        if take <= 0:
+            break
+        try:
+            out = drafter.logits([tree.path(v) for v in frontier[:take]])
+        except DraftExhausted as exc:
+            log.debug("tree growth stopped: %s", exc)
+            break
+        answers.update(zip(frontier[:take], out, strict=True))
+    return _prune(tree, {}, tree.top_nodes(budget.max_nodes))
+
+
+def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
+                  budget: TreeBudget, drafter: ModelDrafter, params: SamplingParams) -> None:
+    """Expand the root and every node among the best whose answer is known, until none is
+    left; children whose answers the drafter already holds (stage-2 guesses) join them."""
+    while True:
+        best = tree.top_nodes(budget.max_nodes) | {0}
+        ready = [u for u in best if u in answers and u not in expanded
+                 and tree.depths[u] < budget.max_depth]
+        if not ready:
+            return
+        for u in ready:
+            _add_children(tree, u, answers.pop(u), budget.max_children, params, None, drafter,
+                          {})
+            expanded.add(u)
+            for c in tree.children[u]:
+                known = drafter.known(tree.path(c))
+                if known is not None:
+                    answers[c] = known
+
+
 def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: SamplingParams,
-                  rng: np.random.Generator, drafter: Drafter, q: dict[int, np.ndarray]) -> None:
+                  rng: np.random.Generator | None, drafter: Drafter,
+                  q: dict[int, np.ndarray]) -> None:
     """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
     if isinstance(logits, Children) and params.greedy:
         tokens, slot_q = logits.tokens[:k], logits.probs[:k]

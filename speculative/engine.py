@@ -84,6 +84,7 @@ class Engine:
         # step is exact for the parameters it ran with)
         self.sampling: SamplingParams | None = None
         self._policies: dict[Mode, Policy] = {}
+        self._overhead: float | None = None  # seconds a plain step spends outside its pass
 
     # the engine's parts, as callers name them (set: a benchmark's oracle, a test's curves)
     target = property(lambda self: self.res.target)
@@ -195,6 +196,7 @@ class Engine:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
         res, policy = self.res, self._policy(config.mode)
+        last_shape = res.target.last_batch
         if res.sizer is not None and res.verify_cost is not None:
             # priced after a batch shaped like the last one: leaving the target alone for a
             # tree, and coming back, each build a graph
@@ -208,16 +210,34 @@ class Engine:
             self._rollback()
             raise
         t2 = time.perf_counter()
+        batch, shape_before = self.target.last_batch, last_shape
         accepted = self._commit(plan, verdict, slots)
         t3 = time.perf_counter()
+        plain = self._plain_per_token(batch, shape_before, t2 - t1, t3 - t0 - (t2 - t1))
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
-                                verdict.offered, t0, t1, t2, t3)
+                                verdict.offered, t0, t1, t2, t3, batch, plain)
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0))
         tree = plan.tree.tree
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         return [*accepted, verdict.next_token], origins, stats
+
+    def _plain_per_token(self, batch: int, shape_before: int, t_verify: float,
+                         t_rest: float) -> float:
+        """What one token of plain decoding costs now: this step's pass of ``batch`` tokens
+        scaled by the cost curve to one token (less the graph switch when the batch's shape
+        changed), plus the loop's bare overhead (the least a step with the target alone spent
+        outside its pass); 0 without a cost curve, unless the pass was one token."""
+        if batch == 1:
+            self._overhead = t_rest if self._overhead is None else min(self._overhead, t_rest)
+            return t_verify + self._overhead
+        cost = self.res.verify_cost
+        if cost is None:
+            return 0.0
+        switch = cost.switch if batch != shape_before else 0.0
+        one = max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
+        return one + (self._overhead or 0.0)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator) -> tuple[Verdict, list[Slot]]:

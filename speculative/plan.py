@@ -13,7 +13,7 @@ import dataclasses
 import enum
 from collections.abc import Mapping
 
-from .costmodel import Calibration
+from .costmodel import Calibration, Running
 from .drafting import DraftCounters, Drafter, DraftTree
 from .tree import TokenTree
 
@@ -80,6 +80,10 @@ class Calibrations:
     by_scorer: dict[Scorer, Calibration] = dataclasses.field(
         default_factory=lambda: {s: Calibration() for s in Scorer})
     stage2: Calibration = dataclasses.field(default_factory=Calibration)
+    # per draft call of a staged drafter: guesses the tree then used (levels the call gave
+    # beyond its own), and guess tokens it decoded
+    stage2_used_per_call: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
+    stage2_width: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
 
     def factor(self, scorer: Scorer) -> float:
         return self.by_scorer[scorer].factor
@@ -99,3 +103,6 @@ class Calibrations:
         counters = plan.counters
         if counters.stage2_proposed:
             self.stage2.add(counters.stage2_used, counters.stage2_proposed)
+            self.stage2_used_per_call.add(counters.stage2_used / counters.calls,
+                                          counters.calls)
+            self.stage2_width.add(counters.stage2_proposed / counters.calls, counters.calls)

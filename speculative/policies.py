@@ -24,6 +24,7 @@ from .drafting import (
     ModelDrafter,
     NgramDrafter,
     TreeBudget,
+    grow_staged,
     grow_tree,
     sparse_top,
 )
@@ -184,12 +185,16 @@ class Resources:
         # greedy trees need each node's best children only (cheap from the n-gram)
         return NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
 
-    def expander(self, budget: TreeBudget) -> Expand:
+    def expander(self, budget: TreeBudget, staged: bool = False) -> Expand:
         """``grow_tree``'s ``expand`` for a draft model: how many frontier nodes the next draft
-        batch takes, as many as pay on the measured cost curves (``Sizer.expand``)."""
-        sizer = self.sizer
+        batch takes, as many as pay on the measured cost curves (``Sizer.expand``); a
+        ``staged`` drafter's batches carry stage-2 guesses and yield levels beyond their own,
+        as measured so far."""
+        sizer, cal = self.sizer, self.calibrations
         assert sizer is not None
-        calibration = self.calibrations.factor(Scorer.DRAFT)
+        calibration = cal.factor(Scorer.DRAFT)
+        levels = 1.0 + cal.stage2_used_per_call.value if staged else 1.0
+        width = cal.stage2_width.value if staged else 0.0
         t0 = time.perf_counter()
 
         def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
@@ -197,7 +202,8 @@ class Resources:
             sizer.observe([tree.scores[v] / tree.scores[tree.parents[v]] for v in frontier
                            if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
             return sizer.expand([tree.scores[v] for v in frontier], tree.scores[1:],
-                                time.perf_counter() - t0, calibration, budget.max_depth - depth)
+                                time.perf_counter() - t0, calibration, budget.max_depth - depth,
+                                levels_per_call=levels, guess_width=width)
 
         return expand
 
@@ -241,6 +247,17 @@ class Resources:
 
 def _ms(cost: VerifyCost) -> dict[int, float]:
     return {n: round(t * 1000, 2) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
+
+
+def grow(drafter: Drafter, step: StepInput, expand: Expand | None) -> DraftTree:
+    """The step's draft tree: greedy with stage-2 guesses, every node whose answer is known
+    grows (``grow_staged``: guessed spines cost no draft batch); otherwise one level per
+    batch (``grow_tree``)."""
+    assert step.budget is not None
+    if (step.params.greedy and isinstance(drafter, ModelDrafter)
+            and drafter.lookahead is not None):
+        return grow_staged(drafter, step.committed, step.budget, expand)
+    return grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand)
 
 
 def scorer_of(drafter: Drafter) -> Scorer:
@@ -288,12 +305,13 @@ class TreePolicy:
         if drafter is None or step.budget is None:
             return StepPlan.alone(step.root)
         res, config = self.res, step.config
-        grow = config.adaptive and res.sizer is not None
+        sized = config.adaptive and res.sizer is not None
         # tree and staged: a draft batch only where it pays; ngram: only nodes that could
         # pay grow; a chain keeps its length (standard speculative decoding, the baseline)
-        expand = (res.expander(step.budget) if grow and self.mode in (Mode.TREE, Mode.STAGED)
-                  else res.worth_growing() if grow and self.mode is Mode.NGRAM else None)
-        draft = grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand)
+        expand = (res.expander(step.budget, staged=self.mode is Mode.STAGED)
+                  if sized and self.mode in (Mode.TREE, Mode.STAGED)
+                  else res.worth_growing() if sized and self.mode is Mode.NGRAM else None)
+        draft = grow(drafter, step, expand)
         scorer = scorer_of(drafter)
         if config.adaptive and res.verify_cost is not None:
             draft = res.right_size(draft, scorer, drafting_time(drafter), step.params)

@@ -22,27 +22,9 @@ from __future__ import annotations
 
 import dataclasses
 
-from .costmodel import VerifyCost
+from .costmodel import Running, VerifyCost
 
 LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
-
-
-@dataclasses.dataclass(slots=True)
-class Running:
-    """A decayed running mean (recent steps weigh more: the text's difficulty drifts)."""
-
-    total: float = 0.0
-    weight: float = 0.0
-    decay: float = 0.95
-    prior: float = 0.5
-
-    def add(self, value: float, weight: float = 1.0) -> None:
-        self.total = self.decay * self.total + value * weight
-        self.weight = self.decay * self.weight + weight
-
-    @property
-    def value(self) -> float:
-        return self.total / self.weight if self.weight > 0 else self.prior
 
 
 @dataclasses.dataclass(slots=True)
@@ -67,11 +49,15 @@ class Sizer:
             self.confidence.add(p)
 
     def expand(self, frontier: list[float], scores: list[float], t_spent: float,
-               calibration: float, levels_left: int, baseline: float = 0.0) -> int:
+               calibration: float, levels_left: int, baseline: float = 0.0,
+               levels_per_call: float = 1.0, guess_width: float = 0.0) -> int:
         """How many of the best ``frontier`` nodes (scores, best first) to expand with one
         draft batch; 0 stops drafting. ``scores`` are all drafted nodes' scores so far, and
         drafting has taken ``t_spent`` seconds. A batch must yield more tokens per second
-        than the step does so far, and than ``baseline`` (what another tree offers)."""
+        than the step does so far, and than ``baseline`` (what another tree offers). With
+        stage 2, a draft batch also decodes ``guess_width`` guessed tokens and yields
+        ``levels_per_call`` levels on average (its own, and the guesses the draft agreed
+        with), so a level costs that fraction of a wider batch."""
         if self.draft is None or not frontier or levels_left < 1:
             return 0
         n, now = self.best_cut(scores, t_spent, calibration)
@@ -81,10 +67,11 @@ class Sizer:
         for m in range(1, len(frontier) + 1):
             reach += frontier[m - 1]
             gain, nodes = 0.0, n
+            call = self.draft(m + round(guess_width)) / max(levels_per_call, 1.0)
             for level in range(1, min(LOOKAHEAD, levels_left) + 1):
                 gain += calibration * reach * p ** level
                 nodes += m
-                cost = level * self.draft(m) + self.target(nodes + 1) - self.target(n + 1)
+                cost = level * call + self.target(nodes + 1) - self.target(n + 1)
                 if cost > 0 and gain / cost > best_ratio:
                     best_m, best_ratio = m, gain / cost
         return best_m

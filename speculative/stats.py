@@ -27,6 +27,11 @@ class StepStats:
     t_stage2: float        # seconds in the n-gram model
     t_verify: float        # seconds in the target's forward pass and the acceptance rule
     t_other: float         # the rest of the step (bookkeeping, KV commits)
+    batch: int = 0         # tokens in the target's pass (pending committed ones, root, nodes)
+    # seconds plain decoding would have taken for this step's emitted tokens, timed in the same
+    # moments: the target's single-token cost read off this step's own pass (its time over the
+    # cost curve's cost(batch) / cost(1)), per token; 0 when no cost curve was measured
+    t_plain: float = 0.0
 
     @property
     def seconds(self) -> float:
@@ -34,15 +39,19 @@ class StepStats:
 
     @classmethod
     def timed(cls, drafting: Any, drafted: int, accepted: int, offered: int, t0: float,
-              t1: float, t2: float, t3: float) -> StepStats:
+              t1: float, t2: float, t3: float, batch: int = 0,
+              plain_per_token: float = 0.0) -> StepStats:
         """A step's statistics from what drafting cost (``drafting.DraftCounters``) and the
-        clock read at its start, when its tree was planned, verified and committed."""
+        clock read at its start, when its tree was planned, verified and committed;
+        ``plain_per_token``: what one token of plain decoding costs at this moment (0:
+        unknown)."""
         return cls(
             drafted=drafted, accepted=accepted, offered=offered, emitted=accepted + 1,
             origins={}, draft_calls=drafting.calls, stage2_proposed=drafting.stage2_proposed,
             stage2_used=drafting.stage2_used, t_draft=drafting.t_draft,
             t_stage2=drafting.t_stage2, t_verify=t2 - t1,
-            t_other=max(0.0, (t1 - t0) - drafting.t_draft - drafting.t_stage2) + (t3 - t2))
+            t_other=max(0.0, (t1 - t0) - drafting.t_draft - drafting.t_stage2) + (t3 - t2),
+            batch=batch, t_plain=(accepted + 1) * plain_per_token)
 
     @classmethod
     def empty(cls) -> StepStats:
@@ -110,12 +119,24 @@ class RunStats:
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0
 
-    def estimated_speedup(self, plain_seconds_per_token: float) -> float:
-        """Speed over plain decoding of the same target, *estimated* without running it: this
-        run's tokens/s times the measured seconds per token of plain decoding (the target's
-        single-token pass plus the loop's own overhead, timed on this machine). The race in the
-        app and ``staged-chat bench`` measure it side by side instead."""
-        return self.tokens_per_second * plain_seconds_per_token
+    def estimated_speedup(self, plain_seconds_per_token: float | None = None) -> float:
+        """Speed over plain decoding of the same target, *estimated* without running it: the
+        seconds plain decoding would have taken for this run's tokens over the seconds it took.
+        Each step's counterfactual (``StepStats.t_plain``) is read off the step's own target
+        pass, so the estimate follows the machine's load as the reply runs; steps without one
+        (no cost curve measured) count ``plain_seconds_per_token`` each token (a figure timed
+        earlier, e.g. when the models loaded), or make the estimate 0 without it. A step's
+        emitted tokens after a stop are not counted. The race in the app and ``staged-chat
+        bench`` measure the speedup side by side instead."""
+        plain = 0.0
+        for s in self.steps:
+            if s.t_plain > 0:
+                plain += s.t_plain * (s.emitted / (s.accepted + 1))
+            elif plain_seconds_per_token is not None:
+                plain += s.emitted * plain_seconds_per_token
+            else:
+                return 0.0
+        return plain / self.seconds if self.seconds > 0 else 0.0
 
     def time_split(self) -> dict[str, float]:
         return {k: sum(getattr(s, f"t_{k}") for s in self.steps)

@@ -237,3 +237,50 @@ def test_the_oracle_knows_the_answer_and_is_never_rejected() -> None:
         assert _generate(engine, prompt, 30, run=run) == answer
         assert all(s.accepted == s.drafted for s in run.steps)
         assert run.tau > 2
+
+
+class LoadedContext(FakeContext):
+    """A fake target whose passes take ``load`` times a CPU-like cost curve (seconds)."""
+
+    CURVE = VerifyCost((1, 2, 4, 8, 16, 32), tuple(0.004 * c for c in STEEP))
+
+    def __init__(self, table: np.ndarray, **kw) -> None:
+        super().__init__(table, **kw)
+        self.load = 1.0
+
+    def decode(self, tokens, positions, seq_ids, logits=True):
+        import time
+
+        out = super().decode(tokens, positions, seq_ids, logits)
+        time.sleep(self.load * self.CURVE.curve(len(tokens)))
+        return out
+
+
+def test_the_estimated_speedup_follows_the_load_of_the_moment() -> None:
+    """The counterfactual plain time of each step is read off its own target pass, so a
+    machine that became three times slower after the models loaded does not fool the meter:
+    plain reads 1.00x, and a tree mode reads what plain and it measure side by side."""
+    target = LoadedContext(TARGET, n_ctx=256)
+    ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
+    engine = Engine(target, FakeContext(DRAFT, n_ctx=256), ngram,
+                    SpecConfig(mode=Mode.PLAIN, tree=TreeBudget(8, 4, 2)))
+    engine.verify_cost = LoadedContext.CURVE
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    prompt = PROMPTS[3]
+
+    def timed(mode: Mode) -> RunStats:
+        engine.config = SpecConfig(mode=mode, tree=TreeBudget(8, 4, 2), adaptive=False)
+        run = RunStats()
+        _generate(engine, prompt, 40, run=run)
+        return run
+
+    timed(Mode.PLAIN)  # the loop's overhead is learned from plain steps
+    target.load = 3.0  # the machine gets busy
+    plain = timed(Mode.PLAIN)
+    assert plain.estimated_speedup() == pytest.approx(1.0, abs=0.05)
+    tree = timed(Mode.TREE)
+    side_by_side = tree.tokens_per_second / plain.tokens_per_second
+    assert tree.estimated_speedup() == pytest.approx(side_by_side, rel=0.1)
+    assert all(s.batch == s.drafted + 1 for s in tree.steps)
+    # a figure timed earlier at another load is only the fallback for steps without a curve
+    assert tree.estimated_speedup(123.0) == tree.estimated_speedup()
