@@ -50,11 +50,14 @@ def stored_run(stats: dict[str, Any]) -> RunStats | None:
 
 def figures(run: RunStats, plain_seconds_per_token: float) -> dict[str, Any]:
     """The figures shown for a reply: ``RunStats.summary()``, and its speed over plain decoding
-    estimated from plain decoding's seconds per token timed when the models loaded (0: not
-    timed, no estimate)."""
+    as ``RunStats.estimated_speedup`` estimates it (each step's own counterfactual; for steps
+    without one, plain decoding's seconds per token timed when the models loaded; no estimate
+    without either)."""
     out = run.summary()
-    if plain_seconds_per_token > 0 and run.steps:
-        out["estimated_speedup"] = run.estimated_speedup(plain_seconds_per_token)
+    fallback = plain_seconds_per_token if plain_seconds_per_token > 0 else None
+    speedup = run.estimated_speedup(fallback) if run.steps else 0.0
+    if speedup > 0:
+        out["estimated_speedup"] = speedup
     return out
 
 

@@ -195,7 +195,7 @@ class _HeaderReader:
         return None
 
     def _skip_strings(self, count: int, key: str) -> None:
-        # the tokenizer's 100k strings: a tight loop (~30 ms), not one call per string
+        # the tokenizer's strings: one tight loop, not one method call per string
         buf, pos, have, unpack = self.buf, self.pos, len(self.buf), _U64.unpack_from
         if count > (self.end - pos) // 8:
             raise _Corrupt(f"array {key!r} claims {count} strings, more than the file holds")
@@ -525,7 +525,7 @@ class LlamaContext:
         self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
         self.n_threads, self.flash_attn = threads, config.flash_attn
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)
-        # numpy views over the batch's C arrays: filling them is ~100x faster than ctypes indexing
+        # numpy views over the batch's C arrays: filling them costs far less than ctypes indexing
         b = self._batch
         self._tok = np.ctypeslib.as_array(b.token, (self.n_batch,))
         self._pos = np.ctypeslib.as_array(b.pos, (self.n_batch,))

@@ -10,8 +10,8 @@ what the target actually accepted so far. The best N maximises tokens per second
 
 A batch whose shape (tokens, sequences, outputs) differs from the context's previous batch also
 pays ``switch``: llama.cpp keeps the compute graph of the last batch only and builds a new one
-for a new shape (measured: 0.3-2 ms on a gpt2-large-shaped target whose pass takes 53 ms,
-0.2-0.3 ms of the built-in target's 2-3 ms). Plain decoding never pays it; a step that alternates
+for a new shape (a few percent of a pass; ``measure_verify_cost`` times it beside the curve).
+Plain decoding never pays it; a step that alternates
 between drafting and the target alone pays it twice. ``VerifyCost.after(last)`` prices each
 size as the step after a batch of ``last`` tokens sees it.
 
@@ -236,18 +236,24 @@ class Running:
 
 @dataclasses.dataclass(slots=True)
 class Calibration:
-    """c: accepted tokens / summed scores of the verified trees, averaged over recent steps."""
+    """c: accepted tokens / summed scores of the verified trees, averaged over recent steps,
+    starting from c = 1 worth ``prior`` predicted tokens: one step that predicted a single
+    token at 0.14 and missed must not make a drafter look useless (c = 0 until it drafts
+    again, which it then never would); steps that verified nothing of this scorer's leave it
+    as it was."""
 
     accepted: float = 0.0
     predicted: float = 0.0
     decay: float = 0.9  # recent steps weigh more: the text's difficulty drifts
+    prior: float = 1.0  # predicted tokens the starting c = 1 counts for
 
     @property
     def factor(self) -> float:
-        if self.predicted <= 0.0:
-            return 1.0
-        return min(2.0, max(0.05, self.accepted / self.predicted))
+        c = (self.accepted + self.prior) / (self.predicted + self.prior)
+        return min(2.0, max(0.05, c))
 
     def add(self, accepted: int, predicted: float) -> None:
+        if accepted == 0 and predicted <= 0.0:
+            return
         self.accepted = self.decay * self.accepted + accepted
         self.predicted = self.decay * self.predicted + predicted

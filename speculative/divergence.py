@@ -2,16 +2,16 @@
 
 llama.cpp's CPU matrix products take another code path for a batch of one token than for a
 batch of several (llamafile's tinyBLAS runs only when ``n >= 2``; ggml's own dot products
-otherwise), and they round differently. Measured on the built-in target (Q8_0): the logits of
-the same tokens decoded one at a time and in batches differ by up to ~0.1-0.25, in most rows.
+otherwise), and they round differently: the logits of the same tokens decoded one at a time
+and in batches differ slightly, in most rows (the README gives the spread measured).
 Plain decoding runs one token per pass, verification runs batches, so where the target's two
 best tokens are that close, plain and a speculative mode may each take a different one, and
 from there on they write different (equally valid) text. The algorithm is not at fault: each
 step took the argmax of the logits llama.cpp gave it.
 
 Built without llamafile (``CMAKE_ARGS=-DGGML_LLAMAFILE=OFF``), llama.cpp's logits no longer
-depend on the batch shape (measured: bitwise equal, 100 rows, batches of 1 to 16), and plain,
-chain and ``auto`` matched plain on all 38 bench and eval prompts. Trees still can part: the
+depend on the batch shape (the README gives the check), and chains match plain decoding;
+trees still can part: the
 attention sums over KV cells in cell order, and a tree's nodes sit in cells after their
 siblings, so a node off the first branch is computed with other roundings than in plain
 decoding.

@@ -100,8 +100,8 @@ class Drafter(Protocol):
         """Who proposed the path's last token: "draft" or "ngram"."""
         ...
 
-    def commit(self, accepted: Path) -> None:
-        """The target accepted ``accepted`` below the root (its bonus token comes next)."""
+    def commit(self, accepted: Path, bonus: int) -> None:
+        """The target accepted ``accepted`` below the root, then wrote ``bonus`` itself."""
         ...
 
 
@@ -130,6 +130,13 @@ class ModelDrafter:
         self._guessed.clear()
         self._used.clear()
         t0 = time.perf_counter()
+        tip = self.kv.tip_logits
+        if tip is not None and self.kv.tokens == self._committed:
+            # the last step decoded this root already (see ``commit``): no batch needed
+            self.kv.rollback()
+            self._cache[()] = (self.kv.tip(), tip)
+            self.counters.t_draft += time.perf_counter() - t0
+            return tip
         # the tokens the draft has not seen yet (the target's bonus token, perhaps an accepted
         # leaf) end with the root; they share one batch with the n-gram's guess after the root
         room = self.kv.ctx.n_batch - self.lookahead_len
@@ -223,21 +230,30 @@ class ModelDrafter:
     def origin(self, path: Path) -> str:
         return "ngram" if path in self._guessed else "draft"
 
-    def commit(self, accepted: Path) -> None:
+    def commit(self, accepted: Path, bonus: int) -> None:
+        """Keep the deepest decoded node of the text the target wrote: when this step already
+        decoded the target's own token after the accepted path (a stage-2 guess that turned
+        out right), the draft's answer for it is the next step's root answer, and that step
+        begins without a draft batch (``KVTree.tip_logits``)."""
         if not self._cache:
             return  # not asked this step (``auto`` skipped drafting): nothing new to keep
-        depth = len(accepted)
-        while accepted[:depth] not in self._cache:
-            depth -= 1  # the deepest accepted node the draft has decoded (the root at worst)
-        self.kv.commit(self._cache[accepted[:depth]][0], list(accepted[:depth]))
+        written = (*accepted, bonus)
+        if written in self._cache:
+            slot, logits = self._cache[written]
+            self.kv.commit(slot, list(written), tip_logits=logits)
+        else:
+            depth = len(accepted)
+            while accepted[:depth] not in self._cache:
+                depth -= 1  # the deepest accepted node the draft has decoded (the root at worst)
+            self.kv.commit(self._cache[accepted[:depth]][0], list(accepted[:depth]))
         self._cache.clear()
 
 
 class NgramDrafter:
     """The n-gram model drafting for the target directly (no draft model). With ``top`` (greedy
     trees: their width; sampled with top-k: k), each node's answer is its ``top`` best
-    children (``KatzTrigram.top``, ~0.1 ms), not the log of its full distribution (~1 ms over
-    GPT-2's vocabulary)."""
+    children (``KatzTrigram.top``, from a per-history cache), not the log of its full
+    distribution (a pass over the whole vocabulary)."""
 
     def __init__(self, model: KatzTrigram, top: int | None = None) -> None:
         self.model = model
@@ -269,7 +285,7 @@ class NgramDrafter:
     def origin(self, path: Path) -> str:
         return "ngram"
 
-    def commit(self, accepted: Path) -> None:
+    def commit(self, accepted: Path, bonus: int) -> None:
         """Nothing to do: the engine feeds committed tokens to the n-gram model."""
 
 

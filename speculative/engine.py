@@ -265,7 +265,7 @@ class Engine:
         self.target.commit(slots[verdict.accepted[-1] if verdict.accepted else 0],
                            list(accepted))
         if plan.drafter is not None:
-            plan.drafter.commit(accepted)
+            plan.drafter.commit(accepted, verdict.next_token)
             self.res.calibrations.observe(plan, verdict.accepted)
         return accepted
 

@@ -54,6 +54,9 @@ class KVTree:
         self._next_seq = 1
         self._nodes = 0  # cells held by this step's uncommitted nodes
         self.last_batch = 0  # tokens in the last decoded batch (the graph llama.cpp holds)
+        # the logits after the last committed token when they were decoded with it (a draft's
+        # answer for the next step's root, see ``commit``); None once the text changes
+        self.tip_logits: np.ndarray | None = None
 
     @property
     def room(self) -> int:
@@ -88,6 +91,7 @@ class KVTree:
         """Empty the cache (after someone else, e.g. a cost measurement, used the context)."""
         self.ctx.clear()
         self.tokens.clear()
+        self.tip_logits = None
         self._next_seq = 1
         self._nodes = 0
 
@@ -103,6 +107,7 @@ class KVTree:
         if len(committed) > self.ctx.n_ctx:
             raise PromptTooLong(len(committed), self.ctx.n_ctx)
         self.rollback()
+        self.tip_logits = None  # the last token is decoded again: its logits come back
         start = min(_common_prefix(self.tokens, committed), len(committed) - 1)
         self.ctx.seq_rm(0, start, -1)
         del self.tokens[start:]
@@ -149,6 +154,7 @@ class KVTree:
         for i in range(n):
             if parents[i] is COMMIT:
                 self.tokens.append(tokens[i])
+                self.tip_logits = None
             else:
                 self._nodes += 1
         self.last_batch = n
@@ -210,8 +216,10 @@ class KVTree:
         self._next_seq += 1
         return s
 
-    def commit(self, slot: Slot, tokens: Sequence[int]) -> None:
-        """Keep the path ending at ``slot`` (whose tokens beyond sequence 0 are ``tokens``)."""
+    def commit(self, slot: Slot, tokens: Sequence[int],
+               tip_logits: np.ndarray | None = None) -> None:
+        """Keep the path ending at ``slot`` (whose tokens beyond sequence 0 are ``tokens``);
+        ``tip_logits``: the logits decoded after its last token, if the caller kept them."""
         if len(self.tokens) + len(tokens) != slot.pos + 1:
             raise ValueError(f"path of {len(tokens)} tokens does not end at position {slot.pos}")
         self.ctx.seq_keep(slot.seq)
@@ -220,6 +228,7 @@ class KVTree:
             self.ctx.seq_cp(slot.seq, 0, -1, -1)
             self.ctx.seq_rm(slot.seq, -1, -1)
         self.tokens.extend(tokens)
+        self.tip_logits = tip_logits
         self._next_seq = 1
         self._nodes = 0
 

@@ -11,10 +11,10 @@ Definitions (V = n_vocab, c(.) = n-gram counts, d_r = `good_turing_discounts` wi
   ``P1(w) = (c(w) + delta) / (N + delta * V)``, ``N = sum_w c(w)``, with the unigram counts as
   of the last refresh: updates (the conversation) refresh P1 once the tokens added since reach
   ``P1_REFRESH`` of N. Every level above reads P1, so a refresh drops every cached answer and
-  re-sorts the vocabulary (~12 ms per 16-node tree afterwards at V = 50257, against 0.5 ms
-  warm); between refreshes an update drops only the answers of the histories it changed. With
-  the built-in model's 23M tokens that is never within a conversation, and the conversation's
-  tokens would move P1 by less than 0.1%; small models refresh at every update, exactly.
+  re-sorts the vocabulary (the trees after it compute their nodes' answers afresh); between
+  refreshes an update drops only the answers of the histories it changed. A
+  model counted over a large corpus never refreshes within a conversation (whose tokens would
+  barely move P1); small models refresh at every update, exactly.
 - A history ``h`` is ``b`` (bigram level) or ``(a, b)`` (trigram level); ``h'`` drops its first
   token (``b -> ()``, ``(a, b) -> b``) and ``P_lower`` is the level below (P1, resp. P2).
   ``T(h) = c(h)`` is the count of the history itself (the textbook relative frequency
@@ -252,7 +252,7 @@ class KatzTrigram:
     history's last token ``b`` (every answer for a history ``(a, b)`` reads the level of ``b``);
     `update` drops the answers of the histories whose counts it changed, or all of them when it
     refreshes P1 (see the module docstring), and the first query of such a history costs
-    O(|S(b)| + V) numpy work again (~20 us at V = 50257).
+    O(|S(b)| + V) numpy work again.
     """
 
     n_vocab: int
@@ -358,8 +358,8 @@ class KatzTrigram:
     def greedy(self, context: Sequence[int], n: int) -> list[int]:
         """The n most likely next tokens, chained: each is argmax `probs` of the ones before.
 
-        Ties go to the smallest token id. Answers come from a per-history cache (~0.4 us per
-        token); a miss costs O(|S(b)| + V) numpy work and never builds the distribution.
+        Ties go to the smallest token id. Answers come from a per-history cache; a miss
+        costs O(|S(b)| + V) numpy work and never builds the distribution.
         """
         if n < 0:
             raise ValueError(f"n must be >= 0, got {n}")
@@ -479,7 +479,7 @@ class KatzTrigram:
             raise ValueError(f"{path}: not a readable trigram model ({exc})") from None
 
     def warm(self) -> None:
-        """Compute P1 and the vocabulary's order by it now (~3-10 ms at V = 50257) rather than
+        """Compute P1 and the vocabulary's order by it now (a sort of the vocabulary) rather than
         at the first query, which a generation step would pay for."""
         self._unigram_probs()
         if self._order is None:

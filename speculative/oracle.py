@@ -48,5 +48,5 @@ class OracleDrafter:
     def origin(self, path: Path) -> str:
         return "draft"
 
-    def commit(self, accepted: Path) -> None:
+    def commit(self, accepted: Path, bonus: int) -> None:
         """Nothing to keep: the next ``begin`` reads the position from the committed tokens."""

@@ -115,6 +115,17 @@ class RunStats:
         """Generation time, prefill excluded."""
         return sum(s.seconds for s in self.steps)
 
+    def seconds_until(self, n_tokens: int) -> float:
+        """Generation seconds until the step that emitted the ``n_tokens``-th token ended (a
+        step's tokens arrive together); all of them if the run emitted fewer."""
+        total, emitted = 0.0, 0
+        for s in self.steps:
+            total += s.seconds
+            emitted += s.emitted
+            if emitted >= n_tokens:
+                break
+        return total
+
     @property
     def tokens_per_second(self) -> float:
         return self.tokens / self.seconds if self.seconds > 0 else 0.0

@@ -423,10 +423,10 @@ class MainWindow(QMainWindow):
                                  f"{info.n_ctx}-token window · {info.threads} "
                                  f"thread{'s' if info.threads != 1 else ''} ")
         one = info.verify_ms.get(1)
-        note = (f"Speedup is estimated against plain decoding of the same target, timed on "
-                f"this machine when the models loaded ({1 / info.plain_seconds_per_token:.0f} "
-                f"tokens/s" + (f"; one target pass {one:.1f} ms" if one else "") + "). "
-                "Race measures it side by side.")
+        note = ("Speedup is estimated step by step: each target pass, scaled by this "
+                "machine's cost curve to one token, says what plain decoding of the same "
+                "target would take at that moment" + (f" (one target pass {one:.1f} ms at "
+                f"load)" if one else "") + ". Race measures it side by side.")
         self.stats.set_plain_speed(info.plain_seconds_per_token, note)
         if self.conversation is None:
             self._sync_format_widgets()

@@ -154,8 +154,8 @@ class RaceWindow(QDialog):
         elif why is not None:
             same += f" from token {why.index}, and NOT at a tie: please report this"
         self.status.setText(f"Measured one after the other with the same seed; replayed on one "
-                            f"clock. {result.plain.run.tokens} vs {result.speculative.run.tokens}"
-                            f" tokens, {same}.")
+                            f"clock. Both wrote {result.tokens} tokens (the end-of-text token "
+                            f"does not stop a race); {same}.")
         self._start_replay()
 
     def _start_replay(self) -> None:
@@ -182,7 +182,8 @@ class RaceWindow(QDialog):
                 "differ (two samples)" if r.temperature > 0
                 else "part at a tie" if r.divergence is not None and r.divergence.tie
                 else "NOT identical")
-            self.verdict.setText(f"{r.speedup:.2f}× faster · texts {same}")
+            self.verdict.setText(f"{r.speedup:.2f}× plain's speed over {r.tokens} tokens · "
+                                 f"texts {same}")
             self.replay.setEnabled(True)
             self.replays += 1
             self.replay_finished.emit()

@@ -275,6 +275,8 @@ class ReplyController(QObject):
             return
         self.pending = None
         self.busy_changed.emit(False)
+        self.stats.set_race(result.speculative.mode, result.speedup, result.tokens,
+                            result.temperature)
         if self.race_window is not None:
             messages = self.history.messages(pending.conversation_id)
             while messages and messages[-1].role != "user":

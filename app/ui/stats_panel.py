@@ -169,9 +169,12 @@ class StatsPanel(QWidget):
         self._max_speed, self._max_tau = 1.0, 1.0  # the highest points yet, with headroom
         self._dirty = False
         self.speed = Meter("tokens/s")
-        self.speedup = Meter("speedup (est.)", "This reply's tokens/s times the seconds per "
-                             "token of plain decoding of the same target, measured on this "
-                             "machine when the models loaded. Use Race to measure it.")
+        self.speedup = Meter("speedup (est.)", "What plain decoding of the same target would "
+                             "have taken for this reply, over what it took: each step's target "
+                             "pass, scaled by the measured cost curve to one token, gives plain "
+                             "decoding's cost at that moment. Race measures it side by side.")
+        self.race_note = QLabel()  # the last race's measured speedup, beside the estimate
+        self.race_note.setWordWrap(True)
         self.tau = Meter("tokens / target pass", "tau: emitted tokens per target forward pass "
                          "(plain decoding: 1)")
         meters = QHBoxLayout()
@@ -200,6 +203,7 @@ class StatsPanel(QWidget):
         grid.addWidget(self.time, 6, 0)
         layout = QVBoxLayout(self)
         layout.addLayout(meters)
+        layout.addWidget(self.race_note)
         layout.addWidget(self.estimate_note)
         layout.addLayout(grid)
         layout.addWidget(self.detail)
@@ -248,6 +252,12 @@ class StatsPanel(QWidget):
     def set_plain_speed(self, seconds_per_token: float, note: str) -> None:
         self.plain_seconds_per_token = seconds_per_token
         self.estimate_note.setText(note)
+
+    def set_race(self, mode: str, speedup: float, tokens: int, temperature: float) -> None:
+        """The last race's figure, measured side by side, shown beside the estimate."""
+        draws = " (two draws at this temperature)" if temperature > 0 else ""
+        self.race_note.setText(f"Race: {mode} {speedup:.2f}× plain, measured over {tokens} "
+                               f"tokens each{draws}")
 
     def show_conversation(self, replies: list[dict[str, Any]]) -> None:
         """A conversation's stored replies (each one's ``stats``, oldest first): the chart of

@@ -97,6 +97,13 @@ class RaceResult:
         return self.plain.tokens == self.speculative.tokens
 
     @property
+    def tokens(self) -> int:
+        """The tokens both runs wrote: what the verdict compares."""
+        return min(len(self.plain.tokens), len(self.speculative.tokens))
+
+    @property
     def speedup(self) -> float:
-        p, s = self.plain.run.seconds, self.speculative.run.seconds
-        return (p / s) * (self.speculative.run.tokens / max(1, self.plain.run.tokens)) if s else 0.0
+        """Plain decoding's seconds over speculation's for the same number of tokens."""
+        n = self.tokens
+        s = self.speculative.run.seconds_until(n)
+        return self.plain.run.seconds_until(n) / s if n and s > 0 else 0.0

@@ -1,5 +1,8 @@
 """The race: plain decoding, then the current speculation, on the same prompt, each timed step
 by step. One after the other: run at once they would share the cores and slow each other down.
+Both run to the same length (the end-of-text token does not stop them: sampled, each run is its
+own draw and would stop elsewhere), and the verdict compares the time each took for the tokens
+both wrote.
 
 Plain Python, run on the engine's thread by ``EngineWorker``.
 """
@@ -39,7 +42,7 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
             status(f"Race: {mode.value}…")
             run = RunStats()
             with contextlib.closing(steps(engine, pair, request, prompt, live, cancelled,
-                                          run)) as timed:
+                                          run, stop_at_end_of_text=False)) as timed:
                 runs.append(_timed_run(mode.value, timed, pair, run, progress))
     finally:
         engine.config = request.settings.spec()

@@ -48,13 +48,17 @@ def prompt_for(pair: ModelPair, engine: Engine, request: ChatRequest) -> Prompt:
 
 
 def steps(engine: Engine, pair: ModelPair, request: ChatRequest, prompt: Prompt,
-          live: LiveSettings, cancelled: Callable[[], bool], run: RunStats) -> Iterator[Step]:
+          live: LiveSettings, cancelled: Callable[[], bool], run: RunStats,
+          stop_at_end_of_text: bool = True) -> Iterator[Step]:
     """The engine's steps for ``request``; settings offered to ``live`` apply from the next
-    step (sampling keeps the reply's seed, so its random stream goes on)."""
+    step (sampling keeps the reply's seed, so its random stream goes on). Without
+    ``stop_at_end_of_text`` the reply runs on past the model's end-of-text token, to its
+    length limit or the end of the window."""
     params = request.settings.sampling(request.seed)
     engine.sampling = None
+    stop = {pair.target.vocab.eos} if stop_at_end_of_text else set()
     generated = engine.generate(prompt.tokens, request.settings.max_tokens, params,
-                                stop={pair.target.vocab.eos}, cancel=cancelled, run=run)
+                                stop=stop, cancel=cancelled, run=run)
     try:
         with contextlib.closing(generated):
             for step in generated:

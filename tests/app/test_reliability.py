@@ -1,4 +1,4 @@
-"""Reliability of the app (issue 9): context limits, interruptions, history faults, odd text and
+"""Reliability of the app: context limits, interruptions, history faults, odd text and
 long sessions, driven through the window's own signals with the real built-in models (offscreen
 Qt).
 
@@ -197,7 +197,7 @@ def test_a_reply_that_reaches_the_end_of_the_window_stops_with_context(
 
 def test_stop_while_models_load_stops_the_queued_reply(qtbot: Any, data_dir: Path) -> None:
     """Stop pressed before the engine picked the request up (it was loading models) still
-    stops that reply; before the fix the worker cleared the flag when it began the reply."""
+    stops that reply: the worker must not clear the stop when it begins the reply."""
     window = _open(qtbot, data_dir, max_tokens=400)
     target, _ = builtin_pair()
     with qtbot.waitSignals([window.models_loaded, window.reply_finished], timeout=REPLY_MS):

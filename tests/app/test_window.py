@@ -145,6 +145,23 @@ def test_a_race_finishes_with_identical_texts_at_temperature_0(qtbot, window: Ma
     assert "identical" in race.verdict.text()
 
 
+def test_a_sampled_race_compares_runs_of_the_same_length(qtbot, data_dir: Path) -> None:
+    """At temperature 0.7 each run is its own draw: neither stops at its own end of text, both
+    write the reply's length, and the verdict (shown beside the estimated meter too) compares
+    the time each took for those tokens."""
+    window = _open(qtbot, data_dir, temperature=0.7, max_tokens=60, mode="auto")
+    _reply(qtbot, window, PROMPT)
+    with qtbot.waitSignal(window.race_done, timeout=REPLY_MS):
+        window.race()
+    result = window.race_window.result
+    assert len(result.plain.tokens) == len(result.speculative.tokens) == result.tokens == 60
+    assert result.speedup == pytest.approx(
+        result.plain.run.seconds / result.speculative.run.seconds)
+    assert f"{result.speedup:.2f}\u00d7 plain, measured over 60 tokens" in \
+        window.stats.race_note.text()
+    window.close()
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None:
     """Greedy texts that differ: the race says where, and whether the target's own logits tie

@@ -1,4 +1,4 @@
-"""The committed built-in target writes code, not whitespace (issue 7).
+"""The committed built-in target writes code, not whitespace.
 
 Its predecessor answered every prompt with a run of spaces, and every speed figure measured on it
 measured nothing. The whole held-out prompt set (none from the training corpus), greedy and

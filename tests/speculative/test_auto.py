@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from speculative.auto import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, PROBE, Planner
-from speculative.costmodel import VerifyCost
+from speculative.costmodel import Calibration, VerifyCost
 from speculative.drafting import (
     DraftCounters,
     DraftTree,
@@ -160,8 +160,8 @@ def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
     engine = _auto(FLAT, CHEAP_DRAFT)
     engine.measure_cost()
     calibrations = engine.res.calibrations.by_scorer
-    calibrations[Scorer.DRAFT].add(3, 4.0)     # the draft: 0.75 of what it predicts
-    calibrations[Scorer.BRANCHES].add(1, 4.0)  # n-gram branches beside it: 0.25
+    calibrations[Scorer.DRAFT] = Calibration(3, 4.0, prior=0.0)     # the draft: 0.75
+    calibrations[Scorer.BRANCHES] = Calibration(1, 4.0, prior=0.0)  # n-gram branches: 0.25
     draft = TokenTree.rooted(7)
     a = draft.add(0, 1, 0.8, "draft")
     draft.add(a, 2, 0.6, "draft")

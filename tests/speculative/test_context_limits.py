@@ -1,4 +1,4 @@
-"""The end of the context window (issue 9): every mode, greedy and sampled, runs up to it and
+"""The end of the context window: every mode, greedy and sampled, runs up to it and
 stops with finish "context"; trees shrink to the KV cells left; prompts that fill or overflow
 the window. Fakes enforce llama.cpp's unified cache of ``n_ctx`` cells; the real tiny models
 check the same against llama.cpp itself (whose cache has exactly 256 cells at ``n_ctx=256``:

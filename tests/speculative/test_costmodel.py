@@ -53,7 +53,19 @@ def test_calibration_tracks_accepted_over_predicted() -> None:
     assert cal.factor == 1.0
     for _ in range(50):
         cal.add(accepted=1, predicted=4.0)
-    assert cal.factor == pytest.approx(0.25)
+    assert cal.factor == pytest.approx(0.25, abs=0.02)  # the prior's weight has faded
+
+
+def test_one_missed_node_does_not_make_a_drafter_look_useless() -> None:
+    """A fresh calibration that sees one node of score 0.14 rejected moves a little from 1, not
+    to the floor (from which its drafter would never be given a step to recover); a step with
+    nothing of this scorer's changes nothing."""
+    cal = Calibration()
+    cal.add(accepted=0, predicted=0.14)
+    assert 0.8 < cal.factor < 1.0
+    before = (cal.accepted, cal.predicted)
+    cal.add(accepted=0, predicted=0.0)
+    assert (cal.accepted, cal.predicted) == before
 
 
 def test_measure_leaves_the_context_empty() -> None:

@@ -115,6 +115,48 @@ def test_stage2_saves_draft_calls_on_repetitive_text() -> None:
     assert calls[Mode.STAGED] < calls[Mode.TREE] * 0.7
 
 
+def test_staged_greedy_grows_guessed_levels_with_their_side_branches() -> None:
+    """Greedy staged trees grow every node whose answer a stage-2 guess already decoded, at any
+    depth, with side branches (2 children per node here): several levels from one draft batch,
+    far fewer batches than tree mode's one per level, the same exact output."""
+    text = _plain([3, 4], 80)
+    corpus = [[3, 4, *text]] * 3
+    engine = _engine(Mode.STAGED, TreeBudget(10, 5, 2), corpus=corpus, draft=TARGET)
+    engine.config = SpecConfig(mode=Mode.STAGED, tree=TreeBudget(10, 5, 2), lookahead=8,
+                               adaptive=False)
+    run = RunStats()
+    assert _generate(engine, [3, 4], 60, run=run) == text[:60]
+    assert any(s.draft_calls <= 2 and s.accepted >= 4 for s in run.steps)
+    tree = _engine(Mode.TREE, TreeBudget(10, 5, 2), corpus=corpus, draft=TARGET, adaptive=False)
+    tree_run = RunStats()
+    assert _generate(tree, [3, 4], 60, run=tree_run) == text[:60]
+    assert run.draft_calls_per_step < 0.6 * tree_run.draft_calls_per_step
+
+
+def test_a_guessed_bonus_token_starts_the_next_step_without_a_draft_batch() -> None:
+    """When a stage-2 guess the draft decoded turns out to be the target's own token after the
+    accepted path, the draft keeps it with its answer, and the next step's root costs no batch;
+    the answer is the one decoding it would give."""
+    from speculative.drafting import ModelDrafter
+    from speculative.kvtree import KVTree
+
+    text = _plain([3, 4], 12)
+    ngram = KatzTrigram.build([[3, 4, *text]] * 3, V)
+    kv = KVTree(FakeContext(DRAFT, n_ctx=64))
+    drafter = ModelDrafter(kv, ngram, 4)
+    drafter.begin([3, 4])  # the root and the n-gram's guesses after it: text[0..3]
+    assert drafter.counters.calls == 1 and drafter.known((text[0], text[1])) is not None
+    drafter.commit((text[0],), text[1])  # accepted text[0], the target wrote text[1]
+    again = ModelDrafter(kv, ngram, 4)
+    root = again.begin([3, 4, text[0], text[1]])
+    assert again.counters.calls == 0
+    fresh = KVTree(FakeContext(DRAFT, n_ctx=64))
+    expected = ModelDrafter(fresh, None, 0).begin([3, 4, text[0], text[1]])
+    assert np.allclose(root, expected)
+    kv.prepare([3, 4, text[0], text[1], 7], max_pending=1)  # the text moves on: forgotten
+    assert kv.tip_logits is None
+
+
 def test_settings_change_mid_generation_stays_exact() -> None:
     engine = _engine(Mode.PLAIN)
     out = []

@@ -1,4 +1,4 @@
-"""Bad model files (issue 9): truncated, corrupt header, random bytes, not GGUF, another
+"""Bad model files: truncated, corrupt header, random bytes, not GGUF, another
 architecture, a draft with another vocabulary, a context above the trained one, the file removed
 or replaced while loaded. Each must raise a clear Python exception naming the problem; the
 process must survive and an already loaded model must still decode exactly as before.
