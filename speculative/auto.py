@@ -1,42 +1,38 @@
-"""``auto`` mode: each step drafts as much as pays on this machine, and no more.
+"""``auto`` mode: each step takes the kind of step that has been fastest here, sized by cost.
 
-Each step is sized by the cost model (``speculative.sizing``): a draft batch only where its
-expected tokens per second beat the step's so far, then the cut that maximises them. On top:
+Three kinds of step (``StepKind``): the target alone, the n-gram model's tree, and the draft
+model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. Within a
+kind, the cost model sizes the tree (``speculative.sizing``): a draft batch only where its
+expected tokens per second beat the step's so far, then the cut that maximises them; greedy, the
+n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's own tree merged
+in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
+measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays.
 
-- **The n-gram model's free guesses** (greedy only): its greedy chain hung below the draft
-  tree's best leaf, and its own tree merged into the draft's (``AutoPolicy.merge``), each
-  n-gram branch beside the draft's choices scored by its own measured acceptance
-  (``Scorer.BRANCHES``). The final cut keeps what pays.
-- **The n-gram's tree first**: greedy, the n-gram model's own tree is grown first (its nodes'
-  best children cost little), and the draft runs only if its first batch promises more tokens
-  per second than that tree at this step; on repetitive text the free n-gram out-guesses the
-  draft. A step without the draft model verifies the n-gram's tree (greedy or sampled).
-- **Measured rates check the model**: the tokens per second of steps where the draft ran, of
-  steps with the n-gram's tree only, and of the target alone (``StepKind``), as decayed running
-  rates. A kind of step measured slower than the target alone is not taken, whatever the model
-  predicts (it does not see every cost: the draft's sampling, cache bookkeeping), and is
-  explored again after ``EXPLORE_EVERY`` steps, since the text's difficulty drifts (the wait
-  doubles while explorations keep losing, up to ``MAX_BACKOFF`` times; the n-gram's wait
-  starts over with each reply). While drafting measures a loss, an exploration is a probe: a
-  chain of at most ``PROBE`` tokens.
-- **A budget for exploring**, so that ``auto`` is never much slower than the target alone:
-  the *regret*, the time steps took beyond what the target alone would have taken for their
-  tokens (at its measured rate), may reach ``EXPLORE_SHARE`` of the time spent (plus an
-  allowance of ``EXPLORE_START`` plain steps' time for a fresh start). A kind of step not yet
-  measured faster than the target alone, by the model's word or as an exploration, runs only
-  while regret is under budget; a kind measured faster runs regardless, and what it gains
-  (negative regret) is budget for later explorations.
+Which kind runs is measured, not predicted: the tokens per second each kind really gave, as
+decayed running rates (the text's difficulty drifts), and the fastest measured one runs. The
+others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles while an exploration
+keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is tried first. The
+draft's catching up on text it skipped while other kinds ran is a cost of switching, not of
+the kind: it is left out of the draft's rate (and counted in the regret below).
 
-Every choice depends on the draft's distributions and past steps, never on this step's sampled
+Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind
+where nothing else pays: the *regret*, the time steps took beyond what the target alone would
+have taken for their tokens (at its measured rate), may reach ``EXPLORE_SHARE`` of the time
+spent (plus an allowance of ``EXPLORE_START`` plain steps' time for a fresh start); a kind other
+than the fastest runs only while regret is under budget, and what the fastest gains (negative
+regret) is budget for later explorations.
+
+Every choice depends on past steps and this step's distributions, never on this step's sampled
 tokens, so ``auto`` is as exact as the tree modes it is made of.
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Sequence
 
 from .costmodel import Running
-from .drafting import DraftTree, Expand, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
+from .drafting import DraftTree, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
 from .plan import Path, Scorer, StepKind, StepPlan
 from .policies import (
     Outcome,
@@ -48,12 +44,11 @@ from .policies import (
 from .sizing import Sizer
 from .tree import TokenTree
 
-EXPLORE_EVERY = 24  # steps without drafting after which the draft is tried once more
+EXPLORE_EVERY = 24  # steps after which a kind of step not the fastest is tried again
 MAX_BACKOFF = 16    # at most this many times longer while explorations keep losing
-EXPLORE_SHARE = 0.01  # time auto may lose to unproven kinds of step, as a share of its time
+EXPLORE_SHARE = 0.01  # time auto may lose to exploring, as a share of its time
 EXPLORE_START = 200   # plain steps' time a fresh planner counts as spent (2 steps to lose)
-PROBE = 3  # draft tokens (a chain) of an exploring step, when drafting measured a loss
-MIN_STEPS = 3.0  # decayed steps of both kinds before measured rates overrule the model
+MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 
 
 @dataclasses.dataclass(slots=True)
@@ -73,26 +68,38 @@ class Rate:
     def value(self) -> float:
         return self.mean.value
 
+    @property
+    def measured(self) -> bool:
+        return self.steps >= MIN_STEPS
+
 
 def _backoff(every: int, lost: bool) -> int:
     """The wait before the next exploration: doubled while explorations keep losing."""
     return min(every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost else EXPLORE_EVERY
 
 
+def _rates() -> dict[StepKind, Rate]:
+    return {kind: Rate() for kind in StepKind}
+
+
+def _counts(value: int) -> dict[StepKind, int]:
+    return dict.fromkeys(StepKind, value)
+
+
 @dataclasses.dataclass(slots=True)
 class Planner:
-    """What ``auto`` has measured of its steps: rates by kind, the regret budget, when to
-    explore, and how far the target follows the n-gram's guesses. Sizing uses ``sizer``."""
+    """What ``auto`` has measured of its steps: each kind's rate, when to explore each, the
+    regret budget, and how far the target follows the n-gram's guesses. Sizing uses
+    ``sizer``."""
 
     sizer: Sizer
     # P(an n-gram guess is accepted | its parent was): the chain's per-level hit rate
     ngram_hits: Running = dataclasses.field(default_factory=lambda: Running(prior=0.3))
-    rates: dict[StepKind, Rate] = dataclasses.field(
-        default_factory=lambda: {kind: Rate() for kind in StepKind})
-    idle: int = 0  # steps since the draft last ran
-    explore_every: int = EXPLORE_EVERY  # steps between explorations (backs off)
-    guess_idle: int = 0  # steps since n-gram guesses were last verified
-    guess_every: int = EXPLORE_EVERY  # steps between n-gram explorations while they lose
+    rates: dict[StepKind, Rate] = dataclasses.field(default_factory=_rates)
+    idle: dict[StepKind, int] = dataclasses.field(default_factory=lambda: _counts(0))
+    every: dict[StepKind, int] = dataclasses.field(
+        default_factory=lambda: _counts(EXPLORE_EVERY))
+    greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
     regret: float = 0.0   # their seconds beyond the target alone's for their tokens
 
@@ -100,69 +107,34 @@ class Planner:
 
     def plain_seconds(self) -> float:
         """Seconds per token of the target alone: measured, or before any such step, the cost
-        model's single-token pass (without the steps' overhead, which the n-gram's trees and
-        the draft's catching up inflate: a baseline too slow would book losses as gains)."""
+        model's single-token pass."""
         root = self.rates[StepKind.ROOT]
         if root.steps > 0 and root.value > 0:
             return 1.0 / root.value
         return self.sizer.target.curve(1)
 
-    def within_budget(self, risk: float = 0.0) -> bool:
-        """Whether the regret so far leaves room for a step that may lose up to ``risk``
-        seconds (see the module docstring)."""
+    def within_budget(self) -> bool:
+        """Whether the regret so far leaves room to explore (see the module docstring)."""
         allowance = EXPLORE_SHARE * (self.elapsed + EXPLORE_START * self.plain_seconds())
-        return self.regret + risk < allowance
+        return self.regret < allowance
 
-    def probe_risk(self, behind: int, length: int) -> float:
-        """What a probe may lose: the draft catching up on ``behind`` tokens (it last ran
-        that long ago), drafting a chain of ``length`` tokens one by one, and verifying them,
-        against one token of the target alone."""
-        draft = self.sizer.draft
-        if draft is None:
-            return 0.0
-        catch_up = draft.curve(behind) if behind > 0 else 0.0
-        return (catch_up + length * draft.curve(1) + self.sizer.target(length + 1)
-                - self.plain_seconds())
+    def fastest(self, kinds: Sequence[StepKind]) -> StepKind | None:
+        """The measured kind of ``kinds`` with the highest rate, or None."""
+        measured = [k for k in kinds if self.rates[k].measured]
+        return max(measured, key=lambda k: self.rates[k].value) if measured else None
 
-    def proven(self, kind: StepKind) -> bool:
-        """Steps of ``kind`` have really been at least as fast as the target alone."""
-        mine, root = self.rates[kind], self.rates[StepKind.ROOT]
-        return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
-                and mine.value >= root.value)
-
-    def may_try(self, kind: StepKind) -> bool:
-        """A step of ``kind`` may run: proven, or an affordable try (``within_budget``)."""
-        return self.proven(kind) or self.within_budget()
-
-    def measured_loss(self, kind: StepKind) -> bool:
-        """Steps of ``kind`` have really been slower than the target alone, over enough recent
-        steps of both: the cost model's prediction was wrong on this machine. (Not against
-        each other: greedy, the n-gram's trees win exactly where they were chosen.)"""
-        mine, root = self.rates[kind], self.rates[StepKind.ROOT]
-        return (mine.steps >= MIN_STEPS and root.steps >= MIN_STEPS
-                and mine.value < root.value)
-
-    def wants_root(self) -> bool:
-        """Take a step with the target alone, to measure it: the other kinds have been
-        measured and it has not (the model may have predicted that drafting always pays)."""
-        others = self.rates[StepKind.DRAFT].steps + self.rates[StepKind.GUESSES].steps
-        return self.rates[StepKind.ROOT].steps < MIN_STEPS and others >= MIN_STEPS
-
-    def exploration_due(self, risk: float = 0.0) -> bool:
-        """Draft at this step although the estimates say it does not pay (they were made when
-        the text was different, and only steps that draft update them): the wait is over and
-        the budget holds the exploration's ``risk`` (``probe_risk``). Decided by a counter and
-        past steps, never by this step's draws."""
-        return (self.sizer.draft is not None and self.idle + 1 >= self.explore_every
-                and self.within_budget(risk))
-
-    def guesses_due(self) -> bool:
-        """Whether to hang n-gram guesses at this step: unless they measured a loss, or when
-        their wait is over, and if they may be tried. (Past steps, never this step.)"""
-        lost = self.measured_loss(StepKind.GUESSES)
-        if lost and self.guess_idle + 1 < self.guess_every:
-            return False
-        return self.may_try(StepKind.GUESSES)
+    def choose(self, kinds: Sequence[StepKind]) -> StepKind:
+        """The kind of step to take now, among ``kinds`` (in the order to try them while none
+        is measured): a kind not yet measured, or one whose wait is over, while the budget
+        allows; otherwise the fastest measured one."""
+        best = self.fastest(kinds)
+        for kind in kinds:
+            if kind is best:
+                continue
+            due = not self.rates[kind].measured or self.idle[kind] + 1 >= self.every[kind]
+            if due and (best is None or self.within_budget()):
+                return kind
+        return best if best is not None else kinds[-1]
 
     def ngram_scores(self, leaf_score: float, n: int) -> list[float]:
         """Scores to give ``n`` chained n-gram guesses below a leaf (their expected
@@ -172,40 +144,27 @@ class Planner:
 
     # --- what happened ---
 
-    def waited(self) -> None:
-        """A step in which the draft did not run."""
-        self.idle += 1
-
-    def explored(self) -> None:
-        """An exploration starts: the next one waits longer if drafting still measures a
-        loss."""
-        self.explore_every = _backoff(self.explore_every, self.measured_loss(StepKind.DRAFT))
-
-    def drafted(self) -> None:
-        self.idle = 0
-
-    def guessed(self, allowed: bool) -> None:
-        """The step did (``allowed``) or did not hang n-gram guesses (``guesses_due``)."""
-        if not allowed:
-            self.guess_idle += 1
-            return
-        self.guess_every = _backoff(self.guess_every, self.measured_loss(StepKind.GUESSES))
-        self.guess_idle = 0
-
     def new_text(self, greedy: bool) -> None:
-        """A new reply begins: its text may suit the n-gram's trees better than the last
-        reply's end did, so their backoff starts over, and greedy (where the tree is cheap and
-        sized by the step's own scores) they are explored at the reply's first step. Sampled,
-        an exploration is a probe that mostly loses, so the backoff alone decides."""
-        self.guess_every = EXPLORE_EVERY
-        if greedy:
-            self.guess_idle = EXPLORE_EVERY - 1
+        """A new reply begins; rates measured under the other sampling do not carry over
+        (sampled trees accept far less than greedy ones)."""
+        if self.greedy is not None and greedy != self.greedy:
+            self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
+        self.greedy = greedy
 
-    def observe_step(self, kind: StepKind, tokens: int, seconds: float) -> None:
-        """A finished step of ``kind`` emitted ``tokens``."""
+    def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                     switch: float = 0.0) -> None:
+        """A finished step of ``kind`` emitted ``tokens`` in ``seconds``, ``switch`` of them
+        spent catching up after other kinds ran (left out of the kind's rate)."""
         self.regret += seconds - tokens * self.plain_seconds()
         self.elapsed += seconds
-        self.rates[kind].add(tokens, seconds)
+        best = self.fastest(list(StepKind))
+        self.rates[kind].add(tokens, max(seconds - switch, 1e-9))
+        for k in StepKind:
+            self.idle[k] = 0 if k is kind else self.idle[k] + 1
+        if best is not None and kind is not best and self.rates[kind].measured:
+            # an exploration: wait longer before the next while this kind loses
+            lost = self.rates[kind].value < self.rates[best].value
+            self.every[kind] = _backoff(self.every[kind], lost)
 
     def observe_ngram(self, offered: int, accepted: int) -> None:
         """A chain of ``offered`` n-gram guesses of which the first ``accepted`` were kept."""
@@ -213,12 +172,6 @@ class Planner:
             self.ngram_hits.add(1.0 if i < accepted else 0.0)
             if i >= accepted:
                 break
-
-
-def probe(budget: TreeBudget) -> TreeBudget:
-    """An exploration's tree: a chain of at most ``PROBE`` tokens."""
-    return dataclasses.replace(budget, max_nodes=min(budget.max_nodes, PROBE),
-                               max_depth=min(budget.max_depth, PROBE), max_children=1)
 
 
 class AutoPolicy:
@@ -237,79 +190,30 @@ class AutoPolicy:
         res, planner, budget = self.res, self.planner, step.budget
         if budget is None:
             return StepPlan.alone(step.root)
-        # (a draft batch pays against the whole step's drafting time, the n-gram's included)
-        expand = res.expander(budget, staged=True)
-        if res.draft is None:
-            ngram = res.ngram_drafter(step.params, budget)
-            if planner.wants_root():
-                return StepPlan.alone(step.root, ngram, frozenset({Scorer.NGRAM}))
-            res.feed_ngram(step.committed)
+        kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
+                                                                       StepKind.ROOT]
+        kind = planner.choose(kinds)
+        if kind is StepKind.ROOT:
+            return StepPlan.alone(step.root)
+        res.feed_ngram(step.committed)
+        ngram = res.ngram_drafter(step.params, budget)
+        if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                              res.worth_growing())
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
+        # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
+        # batches pay against the whole step's drafting time, the n-gram's included)
+        expand = res.expander(budget, staged=True)
+        ngram_tree = (grow_tree(ngram, step.committed, budget, step.params, step.rng,
+                                res.worth_growing()) if step.params.greedy else None)
         drafter = res.model_drafter(step.config, staged=True)
-        if planner.wants_root():
-            return StepPlan.alone(step.root, drafter, frozenset({Scorer.DRAFT}))
-        # whether to guess, like whether to draft, follows past steps and this step's
-        # distributions, never its draws (sampled, the n-gram's tree is grown only if chosen);
-        # the measured rates gate the n-gram's trees even greedy, where they are judged on
-        # the step's own scores
-        guesses = planner.guesses_due()
-        planner.guessed(guesses)
-        if guesses:
-            res.feed_ngram(step.committed)
-        ngram = res.ngram_drafter(step.params, budget)
-        ngram_tree, baseline = None, 0.0
-        if guesses and step.params.greedy:
-            ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                                   res.worth_growing())
-            n, rate = planner.sizer.best_cut(ngram_tree.scores(), ngram.counters.t_stage2,
-                                             res.calibrations.factor(Scorer.NGRAM))
-            baseline = rate if n > 0 else 0.0
-        draft = self.maybe_draft(drafter, step, expand, baseline)
-        if len(draft.tree) > 1:
-            if ngram_tree is not None:
-                draft, chain = self.add_guesses(draft, step)
-                return self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
+        draft = grow(drafter, step, expand)
+        if ngram_tree is None:  # sampled: a node's children must all come from one q
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
             return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT)
-        if not guesses:
-            return StepPlan.alone(step.root, drafter, frozenset({Scorer.DRAFT}))
-        if ngram_tree is None:  # sampled: sized by the last step's scores, so an exploration
-            # while the n-gram's trees measure a loss is a probe (see maybe_draft)
-            if planner.measured_loss(StepKind.GUESSES):
-                budget = probe(budget)
-            ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                                   res.worth_growing())
-        tree = res.right_size(ngram_tree, Scorer.NGRAM, drafting_time(ngram), step.params)
-        return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
-
-    def maybe_draft(self, drafter: ModelDrafter, step: StepInput, expand: Expand,
-                    baseline: float = 0.0) -> DraftTree:
-        """Grow the draft tree if even its first batch pays (against the target alone, or the
-        ``baseline`` tokens per second another tree offers); else a lone root, or now and then
-        a probe: a short chain, to see whether drafting pays again."""
-        res, planner, budget = self.res, self.planner, step.budget
-        assert budget is not None and res.draft is not None
-        pays = (planner.sizer.expand([1.0], [], 0.0, res.calibrations.factor(Scorer.DRAFT),
-                                     budget.max_depth, baseline) > 0
-                and not planner.measured_loss(StepKind.DRAFT)
-                and planner.may_try(StepKind.DRAFT))
-        if not pays:
-            # no probe where the n-gram's tree pays at this step: a short chain would not beat
-            # it, and would pay the draft's catching up on the text since it last ran
-            if baseline > 0:
-                return DraftTree(TokenTree.rooted(step.root), {})
-            risk = planner.probe_risk(res.draft.behind(step.committed), PROBE)
-            if not planner.exploration_due(risk):
-                planner.waited()
-                return DraftTree(TokenTree.rooted(step.root), {})
-            planner.explored()
-            budget = probe(budget)
-        planner.drafted()
-        res.feed_ngram(step.committed)  # the draft's stage-2 guesses come from it
-        return grow(drafter, dataclasses.replace(step, budget=budget), expand)
+        draft, chain = self.add_guesses(draft, step)
+        return self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:
@@ -388,7 +292,9 @@ class AutoPolicy:
                 while n < min(len(kept), len(guess)) and kept[n] == guess[n]:
                     n += 1
                 planner.observe_ngram(len(guess), n)
-        planner.observe_step(plan.kind, outcome.emitted, outcome.seconds)
+        counters, draft = plan.counters, planner.sizer.draft
+        switch = draft.curve(counters.caught_up) if draft and counters.caught_up > 1 else 0.0
+        planner.observe_step(plan.kind, outcome.emitted, outcome.seconds, switch)
 
 
 def guess_nodes(tree: TokenTree, chain: tuple[Path, Path] | None) -> frozenset[int]:

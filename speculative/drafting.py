@@ -56,6 +56,7 @@ class DraftCounters:
     stage2_used: int = 0       # ... of which the tree later needed
     t_draft: float = 0.0       # seconds in draft decodes and tree growth
     t_stage2: float = 0.0      # seconds in the n-gram model
+    caught_up: int = 0         # committed tokens the draft decoded first (it had not run)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -140,6 +141,7 @@ class ModelDrafter:
         # the tokens the draft has not seen yet (the target's bonus token, perhaps an accepted
         # leaf) end with the root; they share one batch with the n-gram's guess after the root
         room = self.kv.ctx.n_batch - self.lookahead_len
+        self.counters.caught_up = self.kv.behind(committed)
         pending = self.kv.prepare(committed, max_pending=room)
         guess = self._guess((), room=self._room(len(pending)) if self.kv.seqs_free > 0 else 0,
                             batch=len(pending))

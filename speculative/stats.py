@@ -158,6 +158,14 @@ class RunStats:
         return sum(s.draft_calls for s in self.steps) / len(self.steps) if self.steps else 0.0
 
     @property
+    def draft_seconds_per_accepted(self) -> float:
+        """Drafting time (draft model and n-gram) per drafted token the target accepted: what
+        one accepted token cost to propose; 0 when none was accepted."""
+        accepted = sum(s.accepted for s in self.steps)
+        spent = sum(s.t_draft + s.t_stage2 for s in self.steps)
+        return spent / accepted if accepted else 0.0
+
+    @property
     def stage2_hit_rate(self) -> float:
         """Share of stage-2 n-gram tokens that the tree then needed."""
         proposed = sum(s.stage2_proposed for s in self.steps)
@@ -177,6 +185,7 @@ class RunStats:
             "depth_acceptance": self.depth_acceptance(),
             "origins": self.origins(),
             "draft_calls_per_step": self.draft_calls_per_step,
+            "draft_seconds_per_accepted": self.draft_seconds_per_accepted,
             "stage2_hit_rate": self.stage2_hit_rate,
             "time": {"prefill": self.t_prefill, **self.time_split()},
             "seconds": self.seconds,

@@ -225,6 +225,8 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
             "speedup": statistics.median(ups), "speedup_range": [min(ups), max(ups)],
             "tau": everything.tau, "mean_drafted": everything.mean_drafted,
             "draft_calls_per_step": everything.draft_calls_per_step,
+            "draft_ms_per_accepted": 1000 * everything.draft_seconds_per_accepted,
+            "stage2_hit_rate": everything.stage2_hit_rate,
             "depth_acceptance": everything.depth_acceptance()[:8],
             "origins": everything.origins(), "time": everything.time_split(),
             "identical": (f"{same}/{total}" + (f" +{ties} ties" if ties else "")
@@ -342,14 +344,15 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
         lines.append("")
         lines.append(f"== {cell['sampling']}, {cell['prompts']} prompts")
         head = (f"{'mode':<8}{'tok/s':>9}{'speedup':>9}{'range':>13}{'ceiling':>9}{'tau':>6}"
-                f"{'tree':>6}{'draft/pass':>11}  {'identical':<10}degenerate")
+                f"{'tree':>6}{'draft/pass':>11}{'ms/acc':>8}  {'identical':<10}degenerate")
         lines += [head, "-" * len(head)]
         for mode, s in cell["modes"].items():
             lo, hi = s["speedup_range"]
             share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
             lines.append(f"{mode:<8}{s['tokens_per_second']:>9.1f}{s['speedup']:>8.2f}x"
                          f"{lo:>6.2f}-{hi:<5.2f}{share:>9}{s['tau']:>6.2f}"
-                         f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}  "
+                         f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}"
+                         f"{s['draft_ms_per_accepted']:>8.1f}  "
                          f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
         bad = {m: s["degenerate_outputs"] for m, s in cell["modes"].items()
                if not s["degenerate_outputs"].startswith("0/")}
@@ -381,13 +384,16 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
              f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range).", ""]
     for cell in report["cells"]:
         lines += [f"**{cell['sampling']}, {cell['prompts']} prompts**", "",
-                  "| mode | tokens/s | speedup | of ceiling | tau | identical | degenerate |",
-                  "|---|---|---|---|---|---|---|"]
+                  "| mode | tokens/s | speedup | of ceiling | tau | nodes/pass | draft calls/pass "
+                  "| draft ms/accepted | identical | degenerate |",
+                  "|---|---|---|---|---|---|---|---|---|---|"]
         for mode, s in cell["modes"].items():
             lo, hi = s["speedup_range"]
             share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
             lines.append(f"| {mode} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x "
                          f"({lo:.2f}-{hi:.2f}) | {share} | {s['tau']:.2f} | "
+                         f"{s['mean_drafted']:.1f} | {s['draft_calls_per_step']:.2f} | "
+                         f"{s['draft_ms_per_accepted']:.1f} | "
                          f"{s['identical'] or '-'} | {s['degenerate_outputs']} |")
         lines.append("")
     for name, p in report.get("peers", {}).items():

@@ -100,3 +100,14 @@ def test_bench_markdown_table(tiny_models, tmp_path, capsys) -> None:
     out = capsys.readouterr().out
     assert "| mode | tokens/s | speedup |" in out
     assert "| plain |" in out and "| ngram |" in out and "| oracle |" in out
+
+
+def test_the_chart_reads_like_a_figure() -> None:
+    """Round ticks from 0 past the highest whisker; speedups to two decimals."""
+    from app.ui.bench_chart import nice_ticks, speedup_label
+
+    assert nice_ticks(3.53) == [0, 1, 2, 3, 4]
+    assert nice_ticks(1.31) == [0, 0.5, 1, 1.5]
+    assert nice_ticks(0.94) == [0, 0.2, 0.4, 0.6, 0.8, 1]
+    assert nice_ticks(12.3) == [0, 5, 10, 15]
+    assert speedup_label(0.937702) == "0.94\u00d7"

@@ -3,17 +3,17 @@ budget, probes, the merged tree, and the ``Learned`` hand-on; every reply exact.
 
 from __future__ import annotations
 
+import itertools
 import math
 
 import numpy as np
 import pytest
 
-from speculative.auto import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, PROBE, Planner
+from speculative.auto import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, Planner
 from speculative.costmodel import Calibration, VerifyCost
 from speculative.drafting import (
     DraftCounters,
     DraftTree,
-    ModelDrafter,
     NgramDrafter,
     TreeBudget,
     grow_tree,
@@ -22,7 +22,7 @@ from speculative.drafting import (
 from speculative.engine import Engine
 from speculative.ngram import KatzTrigram
 from speculative.plan import Scorer, StepKind
-from speculative.policies import Mode, SpecConfig, StepInput
+from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.sizing import Sizer
 from speculative.stats import RunStats
@@ -103,57 +103,37 @@ def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
     assert sum(s.draft_calls for s in late) <= 0.2 * len(late)  # learned: mostly plain now
 
 
-def test_no_probe_of_the_draft_where_the_ngram_tree_pays() -> None:
-    """A probe is due (drafting measured a loss, EXPLORE_EVERY steps passed), but at a step
-    where the n-gram's own tree already pays (a baseline rate) a short chain could not beat
-    it: the draft does not run. Where the n-gram offers nothing, the probe runs."""
+def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
+    """Steps of the n-gram's tree measured faster than drafting and than the target alone: the
+    n-gram's tree runs; when the draft's steps measure faster, the draft runs. (The rates are
+    planted: the fakes' own steps take microseconds of Python.)"""
+
+    class Planted(Planner):  # the rates stay as planted; the waits go on
+        taken: list[StepKind] = []  # noqa: RUF012 (the test's record)
+
+        def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                         switch: float = 0.0) -> None:
+            self.taken.append(kind)
+            for k in StepKind:
+                self.idle[k] = 0 if k is kind else self.idle[k] + 1
+
     engine = _auto(STEEP, CHEAP_DRAFT)
     engine.measure_cost()
-    planner = engine.planner
-    for _ in range(10):
-        planner.observe_step(StepKind.ROOT, 10, 0.1)
-        planner.observe_step(StepKind.DRAFT, 1, 0.1)
-    planner.regret = -100.0  # budget to spare: only the rule can stop the probe
-    assert planner.measured_loss(StepKind.DRAFT)
-    prompt, params = PROMPTS[4], SamplingParams()
-    budget = TreeBudget(24, 8, 3)
-    runs = []
-    for baseline in (50.0, 0.0):
-        planner.idle = EXPLORE_EVERY
-        drafter = ModelDrafter(engine.draft, None, 0)
-        step = StepInput(prompt, engine.config, budget, params, np.random.default_rng(0))
-        tree = engine._policy(Mode.AUTO).maybe_draft(drafter, step,
-                                                     engine.res.expander(budget), baseline)
-        engine.draft.rollback()
-        runs.append((len(tree.tree) - 1, drafter.counters.calls))
-    assert runs[0] == (0, 0)  # the n-gram pays: no draft call
-    assert runs[1][1] > 0 and 1 <= runs[1][0] <= 3  # nothing else pays: a probe of <= 3
-
-
-def test_auto_probes_with_a_short_chain_while_drafting_measures_a_loss() -> None:
-    """The cost model says drafting pays (a flat curve), the measured step rates say it loses:
-    auto runs the target alone, and explores with a chain of at most ``PROBE`` tokens, never
-    a full tree (verified at the steep end of a real curve, one costs several passes)."""
-    class Measured(Planner):  # the rates stay as planted: drafting measured 10x slower
-        def observe_step(self, kind: StepKind, tokens: int, seconds: float) -> None:
-            pass
-
-    engine = _auto(FLAT, CHEAP_DRAFT)
-    engine.measure_cost()
-    planner = engine.planner = Measured(engine.res.sizer)
-    for _ in range(10):
-        Planner.observe_step(planner, StepKind.ROOT, 10, 0.1)
-        Planner.observe_step(planner, StepKind.DRAFT, 1, 0.1)
-    assert planner.measured_loss(StepKind.DRAFT)
-    for prompt in PROMPTS[:5]:  # greedy: exact (the probes get n-gram guesses hung below)
-        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+    planner = engine.planner = Planted(engine.res.sizer)
+    for _ in range(5):
+        Planner.observe_step(planner, StepKind.ROOT, 1, 0.01)      # 100 tokens/s alone
+        Planner.observe_step(planner, StepKind.DRAFT, 2, 0.04)     # 50 with the draft
+        Planner.observe_step(planner, StepKind.GUESSES, 3, 0.02)   # 150 with the n-gram's
     run = RunStats()
-    for i, prompt in enumerate(PROMPTS[:10]):  # sampled: the tree is the draft's alone
-        _generate(engine, prompt, 24, params=SamplingParams(1.0, 0, 1.0, i), run=run)
-    probes = [s for s in run.steps if s.draft_calls]
-    # one at each reply's start (Planner.new_text), then one per EXPLORE_EVERY steps at most
-    assert 1 <= len(probes) <= 10 + len(run.steps) // EXPLORE_EVERY
-    assert all(s.drafted <= PROBE for s in probes)
+    assert _generate(engine, PROMPTS[4], 12, run=run) == _plain(PROMPTS[4], 12)
+    assert set(planner.taken) == {StepKind.GUESSES}
+    assert all(s.draft_calls == 0 for s in run.steps) and run.mean_drafted > 0
+    for _ in range(40):
+        Planner.observe_step(planner, StepKind.DRAFT, 8, 0.02)     # now 400 with the draft
+    planner.taken.clear()
+    assert _generate(engine, PROMPTS[5], 12) == _plain(PROMPTS[5], 12)
+    # the draft's steps, but for the explorations that were due (the waits went on above)
+    assert planner.taken.count(StepKind.DRAFT) >= len(planner.taken) - 2
 
 
 def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
@@ -197,7 +177,8 @@ def test_auto_greedy_verifies_ngram_branches_beside_the_draft_and_stays_exact() 
     (The fakes' step rates are not measured: their Python overhead would make every kind of
     drafting lose to the target alone, see Planner.measured_loss.)"""
     class Unmeasured(Planner):
-        def observe_step(self, kind: StepKind, tokens: int, seconds: float) -> None:
+        def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                         switch: float = 0.0) -> None:
             pass
 
     corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]  # knows some of the text
@@ -238,95 +219,97 @@ def test_a_new_engine_carries_on_from_what_another_learned() -> None:
     assert second.planner.elapsed > elapsed  # the same planner went on measuring
 
 
-def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
-    """Steps of a kind not yet measured faster than the target alone may run only while the
-    time lost so far (regret) is under EXPLORE_SHARE of the time spent; a proven kind runs
-    regardless, and its gains fund later explorations."""
+def _planner() -> Planner:
     curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(Sizer(curve, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8))))
+    return Planner(Sizer(curve, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8))))
+
+
+KINDS = [StepKind.DRAFT, StepKind.GUESSES, StepKind.ROOT]
+
+
+def _take(planner: Planner, seconds: dict[StepKind, float], n: int) -> list[StepKind]:
+    """``n`` steps as auto takes them, each kind's step giving one token in its seconds."""
+    taken = []
+    for _ in range(n):
+        kind = planner.choose(KINDS)
+        planner.observe_step(kind, 1, seconds[kind])
+        taken.append(kind)
+    return taken
+
+
+def test_each_kind_is_measured_then_the_fastest_runs() -> None:
+    """A fresh planner tries each kind in turn (the draft first) until measured, then keeps to
+    the fastest; the others are explored again after EXPLORE_EVERY steps, and a kind that keeps
+    losing waits twice as long each time."""
+    planner = _planner()
+    planner.regret = -1e9  # budget to spare: only the waits decide
+    seconds = {StepKind.DRAFT: 2.0, StepKind.GUESSES: 0.5, StepKind.ROOT: 1.0}
+    taken = _take(planner, seconds, 12 * EXPLORE_EVERY)
+    first = taken[:12]  # (decayed, 4 steps make MIN_STEPS)
+    assert first == [StepKind.DRAFT] * 4 + [StepKind.GUESSES] * 4 + [StepKind.ROOT] * 4
+    rest = taken[12:]
+    assert rest.count(StepKind.GUESSES) > 0.9 * len(rest)
+    drafts = [i for i, k in enumerate(rest) if k is StepKind.DRAFT]
+    waits = [b - a for a, b in itertools.pairwise(drafts)]
+    assert len(waits) >= 2 and waits[1] == 2 * waits[0]  # backing off
+
+
+def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
+    """A kind other than the fastest may run only while the time lost so far (regret) is under
+    EXPLORE_SHARE of the time spent (plus a fresh start's allowance); time spent without losing
+    refills the budget."""
+    planner = _planner()
     start = EXPLORE_SHARE * EXPLORE_START  # plain steps' time a fresh planner may lose
-    assert planner.within_budget(0.9 * start) and not planner.within_budget(1.1 * start)
+    assert planner.within_budget()
     for _ in range(10):
         planner.observe_step(StepKind.ROOT, 1, 1.0)  # the target alone: 1 token per second
-    planner.observe_step(StepKind.DRAFT, 1, 1.0 + 1.2 * start)  # a probe that lost more than that
+    planner.observe_step(StepKind.DRAFT, 1, 1.0 + 1.2 * start)  # a try that lost more
     assert planner.regret == pytest.approx(1.2 * start)
-    assert not planner.may_try(StepKind.DRAFT) and not planner.may_try(StepKind.GUESSES)
-    planner.idle = EXPLORE_EVERY
-    assert not planner.exploration_due()  # due, but not affordable
+    assert not planner.within_budget()
+    planner.idle[StepKind.DRAFT] = planner.idle[StepKind.GUESSES] = 10 * EXPLORE_EVERY
+    assert planner.choose(KINDS) is StepKind.ROOT  # due, but not affordable
     waited = 0
-    while not planner.within_budget():  # time spent without losing refills the budget
+    while not planner.within_budget():
         planner.observe_step(StepKind.ROOT, 1, 1.0)
         waited += 1
     # until the loss beyond the start allowance, 0.2 * start, is EXPLORE_SHARE of the time
     # spent, of which 11 s + 1.2 * start had passed before
     assert waited == math.ceil(0.2 * start / EXPLORE_SHARE - (11 + 1.2 * start))
-    # a probe's risk counts: the draft catching up on 100 tokens costs more than is left
-    assert planner.probe_risk(100, 3) > planner.probe_risk(0, 3) > 0
-    assert not planner.exploration_due(planner.probe_risk(100, 3))
-    for _ in range(5):  # n-gram trees measured at 3 tokens per second: proven, they run
-        planner.observe_step(StepKind.GUESSES, 3, 1.0)
-    assert planner.may_try(StepKind.GUESSES) and planner.regret < 0  # and their gain is budget
+    assert planner.choose(KINDS) is not StepKind.ROOT  # affordable again: explore
+    for _ in range(5):  # n-gram trees at 3 tokens per second: the fastest, and their gain
+        planner.observe_step(StepKind.GUESSES, 3, 1.0)  # is budget
+    assert planner.fastest(KINDS) is StepKind.GUESSES and planner.regret < 0
 
 
-def test_a_kind_of_step_measured_slower_than_the_target_alone_is_not_taken() -> None:
-    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(Sizer(curve, curve))
-    assert not planner.measured_loss(StepKind.DRAFT)  # nothing measured: the model decides
-    assert not planner.wants_root()
-    for _ in range(4):  # decayed: 1 + 0.95 + 0.95**2 + 0.95**3 >= MIN_STEPS
-        planner.observe_step(StepKind.DRAFT, 2, 0.04)
-    assert planner.wants_root()  # drafting measured, the target alone not yet
-    for _ in range(5):
-        planner.observe_step(StepKind.ROOT, 1, 0.01)      # 100 tokens/s alone
-        planner.observe_step(StepKind.DRAFT, 2, 0.04)     # 50 tokens/s with the draft
-        planner.observe_step(StepKind.GUESSES, 3, 0.02)   # 150 tokens/s with n-gram guesses
-    assert planner.measured_loss(StepKind.DRAFT) and not planner.measured_loss(StepKind.GUESSES)
-    for _ in range(5):
-        planner.observe_step(StepKind.GUESSES, 1, 0.05)
-    assert planner.measured_loss(StepKind.GUESSES)
-    # explored, not abandoned; each exploration that still loses doubles the wait
-    allowed = [_guess(planner) for _ in range(7 * EXPLORE_EVERY)]
-    explored = [i + 1 for i, a in enumerate(allowed) if a]
-    assert explored == [EXPLORE_EVERY, 3 * EXPLORE_EVERY, 7 * EXPLORE_EVERY]
-    for _ in range(20):  # the n-gram wins again: the next exploration resets the wait
-        planner.observe_step(StepKind.GUESSES, 4, 0.02)
-    allowed = [_guess(planner) for _ in range(2 * EXPLORE_EVERY)]
-    assert all(allowed)
-    # the draft model backs off the same way while it loses
-    planner.idle, waits, last = 0, [], 0
-    for step in range(1, 16 * EXPLORE_EVERY):
-        if not planner.exploration_due():
-            planner.waited()
-            continue
-        planner.explored()
-        planner.drafted()
-        waits.append(step - last)
-        last = step
-    assert waits[:4] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY, 8 * EXPLORE_EVERY]
+def test_the_draft_catching_up_is_not_counted_against_drafting() -> None:
+    planner = _planner()
+    planner.observe_step(StepKind.DRAFT, 4, 1.0, switch=0.5)
+    assert planner.rates[StepKind.DRAFT].value == pytest.approx(8.0)  # 4 tokens in 0.5 s
+    assert planner.elapsed == 1.0  # the whole step counts for the budget
 
 
-def _guess(planner: Planner) -> bool:
-    """One step's decision about n-gram guesses, as ``AutoPolicy.plan`` makes it."""
-    due = planner.guesses_due()
-    planner.guessed(due)
-    return due
+def test_rates_measured_under_the_other_sampling_start_over() -> None:
+    planner = _planner()
+    planner.new_text(greedy=True)
+    for _ in range(4):
+        planner.observe_step(StepKind.DRAFT, 3, 1.0)
+    planner.new_text(greedy=True)
+    assert planner.rates[StepKind.DRAFT].measured
+    planner.new_text(greedy=False)
+    assert not planner.rates[StepKind.DRAFT].measured
 
 
 def test_the_planners_questions_change_nothing() -> None:
-    """Asking whether to explore or guess leaves the planner as it was; only the calls that
-    say what happened move its counters."""
+    """Asking which kind to take, which is fastest or whether the budget holds leaves the
+    planner as it was; only what happened moves it."""
     import copy
 
-    curve = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0))
-    planner = Planner(Sizer(curve, curve))
+    planner = _planner()
     for _ in range(5):
         planner.observe_step(StepKind.ROOT, 1, 0.01)
         planner.observe_step(StepKind.GUESSES, 1, 0.05)
-    planner.idle = planner.guess_idle = EXPLORE_EVERY
     before = copy.deepcopy(planner)
     for _ in range(3):
-        planner.exploration_due(), planner.guesses_due(), planner.wants_root()
-        planner.within_budget(), planner.probe_risk(10, 3), planner.plain_seconds()
+        planner.choose(KINDS), planner.fastest(KINDS), planner.within_budget()
+        planner.plain_seconds(), planner.ngram_scores(0.5, 3)
     assert planner == before
-    planner.waited()
-    assert planner.idle == before.idle + 1

@@ -326,3 +326,20 @@ def test_the_estimated_speedup_follows_the_load_of_the_moment() -> None:
     assert all(s.batch == s.drafted + 1 for s in tree.steps)
     # a figure timed earlier at another load is only the fallback for steps without a curve
     assert tree.estimated_speedup(123.0) == tree.estimated_speedup()
+
+
+@pytest.mark.parametrize("mode", [Mode.TREE, Mode.STAGED])
+def test_trees_grow_as_big_as_the_cost_curve_pays_for(mode: Mode) -> None:
+    """A cheap, accurate drafter (the target itself): on a flat curve (a batch of 32 costs 1.4
+    passes) deep, wide trees pay and are grown; on a steep one (a second token costs 0.75 of a
+    pass) only small ones. The output is the target's either way."""
+    drafted = {}
+    for name, curve in (("flat", FLAT), ("steep", STEEP)):
+        engine = _engine(mode, TreeBudget(24, 10, 2), draft=TARGET)
+        engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), curve)
+        engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+        run = RunStats()
+        for prompt in PROMPTS[:6]:
+            assert _generate(engine, prompt, 30, run=run) == _plain(prompt, 30)
+        drafted[name] = run.mean_drafted
+    assert drafted["flat"] >= 8 and drafted["steep"] <= 4
