@@ -29,7 +29,7 @@ tokens, so ``auto`` is as exact as the tree modes it is made of.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 
 from .costmodel import Running
 from .drafting import DraftTree, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
@@ -113,26 +113,30 @@ class Planner:
             return 1.0 / root.value
         return self.sizer.target.curve(1)
 
-    def within_budget(self) -> bool:
-        """Whether the regret so far leaves room to explore (see the module docstring)."""
+    def within_budget(self, risk: float = 0.0) -> bool:
+        """Whether the regret so far leaves room to explore a step that may lose up to ``risk``
+        seconds more (see the module docstring)."""
         allowance = EXPLORE_SHARE * (self.elapsed + EXPLORE_START * self.plain_seconds())
-        return self.regret < allowance
+        return self.regret + risk < allowance
 
     def fastest(self, kinds: Sequence[StepKind]) -> StepKind | None:
         """The measured kind of ``kinds`` with the highest rate, or None."""
         measured = [k for k in kinds if self.rates[k].measured]
         return max(measured, key=lambda k: self.rates[k].value) if measured else None
 
-    def choose(self, kinds: Sequence[StepKind]) -> StepKind:
+    def choose(self, kinds: Sequence[StepKind],
+               risks: Mapping[StepKind, float] | None = None) -> StepKind:
         """The kind of step to take now, among ``kinds`` (in the order to try them while none
         is measured): a kind not yet measured, or one whose wait is over, while the budget
-        allows; otherwise the fastest measured one."""
+        allows it and what switching to it costs (``risks``: the draft's catching up on text
+        it skipped); otherwise the fastest measured one."""
         best = self.fastest(kinds)
         for kind in kinds:
             if kind is best:
                 continue
             due = not self.rates[kind].measured or self.idle[kind] + 1 >= self.every[kind]
-            if due and (best is None or self.within_budget()):
+            risk = (risks or {}).get(kind, 0.0)
+            if due and (best is None or self.within_budget(risk)):
                 return kind
         return best if best is not None else kinds[-1]
 
@@ -192,7 +196,11 @@ class AutoPolicy:
             return StepPlan.alone(step.root)
         kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
                                                                        StepKind.ROOT]
-        kind = planner.choose(kinds)
+        risks = {}
+        if res.draft is not None and planner.sizer.draft is not None:
+            behind = res.draft.behind(step.committed)
+            risks[StepKind.DRAFT] = planner.sizer.draft.curve(behind) if behind > 1 else 0.0
+        kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
             return StepPlan.alone(step.root)
         res.feed_ngram(step.committed)
