@@ -129,14 +129,16 @@ class Planner:
         """The kind of step to take now, among ``kinds`` (in the order to try them while none
         is measured): a kind not yet measured, or one whose wait is over, while the budget
         allows it and what switching to it costs (``risks``: the draft's catching up on text
-        it skipped); otherwise the fastest measured one."""
+        it skipped); otherwise the fastest measured one. The target alone is the baseline the
+        budget is counted against: measuring it never needs the budget (a kind that loses to
+        it must not keep it from being measured)."""
         best = self.fastest(kinds)
         for kind in kinds:
             if kind is best:
                 continue
             due = not self.rates[kind].measured or self.idle[kind] + 1 >= self.every[kind]
             risk = (risks or {}).get(kind, 0.0)
-            if due and (best is None or self.within_budget(risk)):
+            if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)):
                 return kind
         return best if best is not None else kinds[-1]
 

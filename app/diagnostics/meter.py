@@ -14,11 +14,14 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import subprocess
 import sys
 import tempfile
 from pathlib import Path
+
+os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # a measurement: no window to show
 
 from PySide6.QtCore import QEventLoop, QTimer
 

@@ -276,6 +276,10 @@ def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     # spent, of which 11 s + 1.2 * start had passed before
     assert waited == math.ceil(0.2 * start / EXPLORE_SHARE - (11 + 1.2 * start))
     assert planner.choose(KINDS) is not StepKind.ROOT  # affordable again: explore
+    # unless switching to it costs more than is left (the draft catching up on a long text)
+    pair = [StepKind.DRAFT, StepKind.ROOT]
+    assert planner.choose(pair) is StepKind.DRAFT
+    assert planner.choose(pair, {StepKind.DRAFT: 10.0}) is StepKind.ROOT
     for _ in range(5):  # n-gram trees at 3 tokens per second: the fastest, and their gain
         planner.observe_step(StepKind.GUESSES, 3, 1.0)  # is budget
     assert planner.fastest(KINDS) is StepKind.GUESSES and planner.regret < 0
@@ -313,3 +317,15 @@ def test_the_planners_questions_change_nothing() -> None:
         planner.choose(KINDS), planner.fastest(KINDS), planner.within_budget()
         planner.plain_seconds(), planner.ngram_scores(0.5, 3)
     assert planner == before
+
+
+def test_the_target_alone_is_measured_even_when_the_budget_is_spent() -> None:
+    """Where drafting loses to the target alone (a tiny target whose pass costs less than the
+    loop's own bookkeeping), the first kind tried is the only one measured and it spends the
+    budget; the target alone, the baseline, is still measured, and then runs."""
+    planner = _planner()
+    seconds = {StepKind.DRAFT: 5.0, StepKind.GUESSES: 4.0, StepKind.ROOT: 1.0}
+    taken = _take(planner, seconds, 40)
+    assert taken[:4] == [StepKind.DRAFT] * 4 and not planner.within_budget()
+    assert StepKind.ROOT in taken[4:12]
+    assert taken[-20:] == [StepKind.ROOT] * 20
