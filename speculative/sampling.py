@@ -11,13 +11,36 @@ import dataclasses
 
 import numpy as np
 
+DRY_BREAKERS = ("\n", ":", "\"", "*")  # llama.cpp's default sequence breakers
+
 
 @dataclasses.dataclass(frozen=True, slots=True)
 class SamplingParams:
+    """The sampler chain, in the order it runs (``speculative.penalties`` for the first three):
+
+    repetition penalty, presence and frequency penalties, DRY (each over the text so far),
+    min-p, temperature, top-k, top-p. Every setting has an off value (its default here).
+    """
+
     temperature: float = 0.0  # 0 means greedy: the output is the target's argmax, token for token
     top_k: int = 0            # keep the k most likely tokens; 0 keeps all
     top_p: float = 1.0        # keep the smallest set whose mass reaches top_p; 1 keeps all
     seed: int | None = None   # same seed, same settings, same models: same output
+    min_p: float = 0.0        # drop tokens less likely than min_p times the most likely; 0: off
+    # CTRL's repetition penalty on the tokens of the last repeat_last_n: a positive logit is
+    # divided by it, a negative one multiplied; 1: off
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64   # the window of the three penalties on single tokens
+    presence_penalty: float = 0.0   # subtracted from the logit of a token in the window; 0: off
+    frequency_penalty: float = 0.0  # ... times the token's count in the window; 0: off
+    # DRY ("don't repeat yourself"): a token that would extend a repeat of an earlier sequence
+    # of n >= dry_allowed_length tokens loses dry_multiplier * dry_base ** (n -
+    # dry_allowed_length) from its logit; sequences do not run across a breaker; 0: off
+    dry_multiplier: float = 0.0
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
+    dry_last_n: int = 0       # tokens of the text DRY looks back over; 0: all of it
+    dry_breakers: tuple[str, ...] = DRY_BREAKERS
 
     def __post_init__(self) -> None:
         if self.temperature < 0:
@@ -26,10 +49,33 @@ class SamplingParams:
             raise ValueError(f"top_k must be >= 0, got {self.top_k}")
         if not 0.0 < self.top_p <= 1.0:
             raise ValueError(f"top_p must be in (0, 1], got {self.top_p}")
+        if not 0.0 <= self.min_p < 1.0:
+            raise ValueError(f"min_p must be in [0, 1), got {self.min_p}")
+        if self.repeat_penalty <= 0:
+            raise ValueError(f"repeat_penalty must be > 0, got {self.repeat_penalty}")
+        if self.repeat_last_n < 0 or self.dry_last_n < 0:
+            raise ValueError("repeat_last_n and dry_last_n must be >= 0")
+        if self.dry_multiplier < 0:
+            raise ValueError(f"dry_multiplier must be >= 0, got {self.dry_multiplier}")
+        if self.dry_base < 1.0:
+            raise ValueError(f"dry_base must be >= 1, got {self.dry_base}")
+        if self.dry_allowed_length < 1:
+            raise ValueError(f"dry_allowed_length must be >= 1, got {self.dry_allowed_length}")
+        if isinstance(self.dry_breakers, str) or not all(
+                isinstance(b, str) and b for b in self.dry_breakers):
+            raise ValueError("dry_breakers must be a sequence of non-empty strings")
+        object.__setattr__(self, "dry_breakers", tuple(self.dry_breakers))
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0.0
+
+    @property
+    def penalized(self) -> bool:
+        """Any setting that depends on the text so far is on."""
+        return (((self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
+                 or self.frequency_penalty != 0.0) and self.repeat_last_n > 0)
+                or self.dry_multiplier > 0.0)
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

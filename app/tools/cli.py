@@ -60,6 +60,7 @@ def _common() -> argparse.ArgumentParser:
     common.add_argument("--top-k", type=int, default=0)
     common.add_argument("--top-p", type=float, default=1.0)
     common.add_argument("--seed", type=int, default=0)
+    add_sampler_arguments(common)
     common.add_argument("--max-nodes", type=int, default=_BUDGET.max_nodes)
     common.add_argument("--max-depth", type=int, default=_BUDGET.max_depth)
     common.add_argument("--max-children", type=int, default=_BUDGET.max_children)
@@ -78,6 +79,49 @@ def _common() -> argparse.ArgumentParser:
                         help="draft layers offloaded to a GPU (-1: all)")
     common.add_argument("--json", action="store_true", help="print JSON instead")
     return common
+
+
+def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
+    """The sampler settings beyond temperature, top-k and top-p; unset ones take the prompt
+    format's defaults (``sampling_params``)."""
+    g = parser.add_argument_group(
+        "repetition control and min-p (default: the prompt format's; 0 or 1 switches one off)")
+    g.add_argument("--min-p", type=float,
+                   help="drop tokens less likely than this times the most likely one")
+    g.add_argument("--repeat-penalty", type=float,
+                   help="divide the logits of recent tokens by this (1: off)")
+    g.add_argument("--repeat-last-n", type=int,
+                   help="how many recent tokens the repeat, presence and frequency penalties see")
+    g.add_argument("--presence-penalty", type=float,
+                   help="subtract this from the logit of every recent token (0: off)")
+    g.add_argument("--frequency-penalty", type=float,
+                   help="subtract this times a recent token's count from its logit (0: off)")
+    g.add_argument("--dry-multiplier", type=float,
+                   help="DRY: penalise extending a repeat of earlier text (0: off)")
+    g.add_argument("--dry-base", type=float, help="DRY: growth of the penalty per repeated token")
+    g.add_argument("--dry-allowed-length", type=int,
+                   help="DRY: repeats this long or shorter go unpunished")
+    g.add_argument("--dry-last-n", type=int, help="DRY: tokens looked back over (0: all)")
+    g.add_argument("--dry-breakers", type=json.loads,
+                   help='DRY: JSON list of strings no repeat runs across, e.g. \'["\\n", ":"]\'')
+
+
+_SAMPLER_OPTIONS = ("min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                    "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+                    "dry_last_n", "dry_breakers")
+
+
+def sampling_params(args: argparse.Namespace,
+                    defaults: SamplingParams | None = None) -> SamplingParams:
+    """The sampling the options ask for: temperature, top-k, top-p and seed as given; each
+    sampler option not given keeps its value in ``defaults`` (a prompt format's)."""
+    given = {name: getattr(args, name) for name in _SAMPLER_OPTIONS
+             if getattr(args, name, None) is not None}
+    if "dry_breakers" in given:
+        given["dry_breakers"] = tuple(given["dry_breakers"])
+    return dataclasses.replace(defaults or SamplingParams(), temperature=args.temp,
+                               top_k=args.top_k,
+                               top_p=args.top_p, seed=args.seed, **given)
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -169,7 +213,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
                            n_threads=args.threads, flash_attn=args.flash_attn)
-    params = SamplingParams(args.temp, args.top_k, args.top_p, args.seed)
+    params = sampling_params(args)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
