@@ -209,14 +209,15 @@ class AutoPolicy:
         ngram = res.ngram_drafter(step.params, budget)
         if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                             res.worth_growing())
+                             res.worth_growing(), step.penalties)
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
         # batches pay against the whole step's drafting time, the n-gram's included)
         expand = res.expander(budget, staged=True)
         ngram_tree = (grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                                res.worth_growing()) if step.params.greedy else None)
+                                res.worth_growing(), step.penalties)
+                      if step.params.greedy else None)
         drafter = res.model_drafter(step.config, staged=True)
         draft = grow(drafter, step, expand)
         if ngram_tree is None:  # sampled: a node's children must all come from one q

@@ -39,6 +39,7 @@ from .errors import (
     ModelLoadError,
     TooManySequences,
 )
+from .penalties import breaker_tokens
 
 log = logging.getLogger(__name__)
 
@@ -324,6 +325,14 @@ class Vocabulary:
         self.n_vocab: int = llama_cpp.llama_vocab_n_tokens(vocab_ptr)
         self.bos: int = llama_cpp.llama_vocab_bos(vocab_ptr)
         self.eos: int = llama_cpp.llama_vocab_eos(vocab_ptr)
+        self._containing: dict[tuple[str, ...], frozenset[int]] = {}
+
+    def tokens_containing(self, strings: Sequence[str]) -> frozenset[int]:
+        """Tokens whose text contains one of ``strings`` (scanned once per set of strings)."""
+        key = tuple(strings)
+        if key not in self._containing:
+            self._containing[key] = breaker_tokens(key, self.n_vocab, self.piece)
+        return self._containing[key]
 
     def tokenize(self, text: str | bytes, special: bool = False) -> list[int]:
         """Tokens of ``text``; ``special`` lets ``<|endoftext|>`` in the text become that token."""

@@ -20,6 +20,7 @@ import numpy as np
 
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
+from .penalties import StepPenalties
 from .sampling import (
     SamplingParams,
     distribution,
@@ -314,7 +315,8 @@ with the next draft batch (0 stops growing). ``auto`` mode decides it from the c
 
 def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
               params: SamplingParams, rng: np.random.Generator,
-              expand: Expand | None = None) -> DraftTree:
+              expand: Expand | None = None, penalties: StepPenalties | None = None
+              ) -> DraftTree:
     """Grow the draft tree best-first, one draft batch per level.
 
     Every expanded node offers ``max_children`` slots. Slot i of node u scores
@@ -324,7 +326,8 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     each level expands just the nodes inside it. Greedy fills slot i with the i-th most
     likely token; sampling fills the slots with draws *without replacement* from q_u. The
     sampled shape depends on q_u but never on the drawn tokens themselves, which is what keeps
-    tree speculative sampling exact (see ``speculative.verify``).
+    tree speculative sampling exact (see ``speculative.verify``). With ``penalties``, each
+    node's draft logits are penalised along its path as the target's will be.
     """
     root = drafter.begin(committed)
     tree = TokenTree.rooted(committed[-1])
@@ -332,7 +335,8 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     frontier, dists = [0], [root]
     for depth in range(1, budget.max_depth + 1):
         for u, logits in zip(frontier, dists, strict=True):
-            _add_children(tree, u, logits, budget.max_children, params, rng, drafter, q)
+            _add_children(tree, u, logits, budget.max_children, params, rng, drafter, q,
+                          penalties)
         best = tree.top_nodes(budget.max_nodes)
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
         if expand is not None and frontier and depth < budget.max_depth:
@@ -349,7 +353,8 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
 
 
 def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBudget,
-                expand: Expand | None = None) -> DraftTree:
+                expand: Expand | None = None, penalties: StepPenalties | None = None
+                ) -> DraftTree:
     """Grow a greedy draft tree best-first, expanding every node whose answer is known.
 
     A node is expanded (given its ``max_children`` best children) as soon as the draft's
@@ -366,7 +371,7 @@ def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBud
     answers: dict[int, Next] = {0: drafter.begin(committed)}
     expanded: set[int] = set()
     while True:
-        _expand_known(tree, answers, expanded, budget, drafter, greedy)
+        _expand_known(tree, answers, expanded, budget, drafter, greedy, penalties)
         best = _by_score(tree, tree.top_nodes(budget.max_nodes))
         frontier = [v for v in best
                     if v not in expanded and tree.depths[v] < budget.max_depth]
@@ -387,7 +392,8 @@ def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBud
 
 
 def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
-                  budget: TreeBudget, drafter: ModelDrafter, params: SamplingParams) -> None:
+                  budget: TreeBudget, drafter: ModelDrafter, params: SamplingParams,
+                  penalties: StepPenalties | None) -> None:
     """Expand the root and every node among the best whose answer is known, until none is
     left; children whose answers the drafter already holds (stage-2 guesses) join them."""
     while True:
@@ -398,7 +404,7 @@ def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
             return
         for u in ready:
             _add_children(tree, u, answers.pop(u), budget.max_children, params, None, drafter,
-                          {})
+                          {}, penalties)
             expanded.add(u)
             for c in tree.children[u]:
                 known = drafter.known(tree.path(c))
@@ -408,13 +414,16 @@ def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
 
 def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: SamplingParams,
                   rng: np.random.Generator | None, drafter: Drafter,
-                  q: dict[int, np.ndarray]) -> None:
+                  q: dict[int, np.ndarray], penalties: StepPenalties | None = None) -> None:
     """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
+    complete = isinstance(logits, Children) and logits.probs.sum() >= 1.0 - 1e-9
+    if penalties is not None:
+        logits = _penalised(logits, penalties, tree.path(u))
     if isinstance(logits, Children) and params.greedy:
         tokens, slot_q = logits.tokens[:k], logits.probs[:k]
     elif isinstance(logits, Children):
-        # top-k sampling reads only the k best tokens (all there: ``sparse_top``)
-        complete = logits.probs.sum() >= 1.0 - 1e-9  # every token with any probability
+        # top-k sampling reads only the k best tokens (all there: ``sparse_top``), or every
+        # token with any probability (``complete``)
         if params.top_k <= 0 or (logits.tokens.size < params.top_k and not complete):
             raise ValueError("a sampled node needs its full distribution or its top-k tokens")
         best = slice(0, params.top_k)
@@ -434,6 +443,19 @@ def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: Samplin
         if sq <= 0.0:
             break
         tree.add(u, tok, tree.scores[u] * sq, drafter.origin((*base, tok)))
+
+
+def _penalised(logits: Next, penalties: StepPenalties, path: Path) -> Next:
+    """A node's draft answer with the penalties along its path applied. A drafter's best
+    tokens are penalised among themselves and re-ranked: a token outside them that the
+    penalties would have made one of the best is missed, which costs acceptance, never
+    exactness (a sampled node's q is what its children were drawn from, whatever it is)."""
+    if not isinstance(logits, Children):
+        return penalties.apply(logits, path)
+    with np.errstate(divide="ignore"):
+        z = penalties.apply_sparse(logits.tokens, np.log(logits.probs), path)
+    order = np.lexsort((logits.tokens, -z))  # most likely first, ties to the smaller id
+    return Children(logits.tokens[order], np.exp(z[order]), logits.n_vocab)
 
 
 def _by_score(tree: TokenTree, nodes: set[int]) -> list[int]:

@@ -23,6 +23,7 @@ from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
+from .penalties import Penalizer, StepPenalties
 from .plan import Calibrations, StepPlan
 from .policies import (
     Mode,
@@ -69,7 +70,10 @@ class Engine:
     """A target context, optionally a draft context and an n-gram model, and the loop."""
 
     def __init__(self, target: Context, draft: Context | None = None,
-                 ngram: KatzTrigram | None = None, config: SpecConfig | None = None) -> None:
+                 ngram: KatzTrigram | None = None, config: SpecConfig | None = None,
+                 breakers: Callable[[Sequence[str]], frozenset[int]] | None = None) -> None:
+        """``breakers``: the tokens whose text contains one of the given strings (DRY's
+        sequence breakers; ``Vocabulary.tokens_containing``); without it none breaks one."""
         if draft is not None and draft.n_vocab != target.n_vocab:
             raise IncompatibleModels(f"draft vocabulary has {draft.n_vocab} tokens, target "
                                      f"{target.n_vocab}")
@@ -85,6 +89,8 @@ class Engine:
         self.sampling: SamplingParams | None = None
         self._policies: dict[Mode, Policy] = {}
         self._overhead: float | None = None  # seconds a plain step spends outside its pass
+        self._breakers = breakers
+        self._penalizer: Penalizer | None = None  # the last params' (they rarely change)
 
     # the engine's parts, as callers name them (set: a benchmark's oracle, a test's curves)
     target = property(lambda self: self.res.target)
@@ -191,21 +197,34 @@ class Engine:
                                     else TreePolicy(self.res, mode))
         return self._policies[mode]
 
+    def _penalties(self, params: SamplingParams, committed: list[int]) -> StepPenalties | None:
+        """The params' penalties for this step's nodes (None when none is on)."""
+        if not params.penalized:
+            return None
+        penalizer = self._penalizer
+        if penalizer is None or penalizer.params != params:
+            breakers: frozenset[int] = frozenset()
+            if params.dry_multiplier > 0 and self._breakers is not None:
+                breakers = self._breakers(params.dry_breakers)
+            penalizer = self._penalizer = Penalizer(params, breakers, self.target.ctx.n_vocab)
+        return penalizer.step(committed)
+
     def _step(self, committed: list[int], config: SpecConfig, params: SamplingParams,
               rng: np.random.Generator) -> tuple[list[int], list[str], StepStats]:
         """One target pass: the emitted tokens, who proposed each, and the step's statistics."""
         t0 = time.perf_counter()
         res, policy = self.res, self._policy(config.mode)
+        penalties = self._penalties(params, committed)
         last_shape = res.target.last_batch
         if res.sizer is not None and res.verify_cost is not None:
             # priced after a batch shaped like the last one: leaving the target alone for a
             # tree, and coming back, each build a graph
             res.sizer.target = res.verify_cost.after(res.target.last_batch)
-        step = StepInput(committed, config, self._fit(config, committed), params, rng)
+        step = StepInput(committed, config, self._fit(config, committed), params, rng, penalties)
         try:
             plan = policy.plan(step)
             t1 = time.perf_counter()
-            verdict, slots = self._verify(committed, plan.tree, params, rng)
+            verdict, slots = self._verify(committed, plan.tree, params, rng, penalties)
         except BaseException:
             self._rollback()
             raise
@@ -216,6 +235,9 @@ class Engine:
         plain = self._plain_per_token(batch, shape_before, t2 - t1, t3 - t0 - (t2 - t1))
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
                                 verdict.offered, t0, t1, t2, t3, batch, plain)
+        if penalties is not None:
+            stats = dataclasses.replace(stats, steered=verdict.changed,
+                                        t_penalties=penalties.seconds)
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0))
@@ -240,7 +262,8 @@ class Engine:
         return one + (self._overhead or 0.0)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
-                rng: np.random.Generator) -> tuple[Verdict, list[Slot]]:
+                rng: np.random.Generator, penalties: StepPenalties | None
+                ) -> tuple[Verdict, list[Slot]]:
         """One target pass over the pending tokens and the tree; the acceptance rule."""
         tree = draft.tree
         pending = self.target.prepare(committed,
@@ -252,9 +275,9 @@ class Engine:
         want = [False] * k + [True] * len(tree)
         slots, logits = self.target.decode(tokens, parents, want)
         if params.greedy:
-            verdict = verify_greedy(tree, logits)
+            verdict = verify_greedy(tree, logits, penalties)
         else:
-            verdict = verify_sampling(tree, logits, draft.q, params, rng)
+            verdict = verify_sampling(tree, logits, draft.q, params, rng, penalties)
         return verdict, slots[k:]  # slots of the tree's nodes, by node id
 
     def _commit(self, plan: StepPlan, verdict: Verdict, slots: list[Slot]) -> tuple[int, ...]:

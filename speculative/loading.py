@@ -43,7 +43,8 @@ class ModelPair:
         pair's cost curves (measured now if this mode needs them and nobody has yet), and
         what an earlier engine ``learned``."""
         engine = Engine(self.target_ctx, self.draft_ctx,
-                        ngram if ngram is not None else self.new_ngram(), spec)
+                        ngram if ngram is not None else self.new_ngram(), spec,
+                        self.target.vocab.tokens_containing)
         if self.costs is None and spec.mode is not Mode.PLAIN and (
                 spec.adaptive or spec.mode is Mode.AUTO):
             self.measure_costs(spec)

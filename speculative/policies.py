@@ -31,6 +31,7 @@ from .drafting import (
 from .kvtree import KVTree
 from .ngram import KatzTrigram
 from .oracle import OracleDrafter
+from .penalties import StepPenalties
 from .plan import Calibrations, Scorer, StepKind, StepPlan
 from .sampling import SamplingParams
 from .sizing import Sizer
@@ -89,6 +90,7 @@ class StepInput:
     budget: TreeBudget | None   # the tree allowed here (fitted to the window); None: plain
     params: SamplingParams
     rng: np.random.Generator
+    penalties: StepPenalties | None = None  # the params' penalties below committed, if any
 
     @property
     def root(self) -> int:
@@ -256,8 +258,9 @@ def grow(drafter: Drafter, step: StepInput, expand: Expand | None) -> DraftTree:
     assert step.budget is not None
     if (step.params.greedy and isinstance(drafter, ModelDrafter)
             and drafter.lookahead is not None):
-        return grow_staged(drafter, step.committed, step.budget, expand)
-    return grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand)
+        return grow_staged(drafter, step.committed, step.budget, expand, step.penalties)
+    return grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand,
+                     step.penalties)
 
 
 def scorer_of(drafter: Drafter) -> Scorer:

@@ -101,18 +101,22 @@ def _top_p_keep(p: np.ndarray, top_p: float) -> np.ndarray:
 
 
 def distribution(logits: np.ndarray, params: SamplingParams) -> np.ndarray:
-    """The sampling distribution for one row of logits, float64, summing to 1.
+    """The sampling distribution for one row of (penalised) logits, float64, summing to 1.
 
+    min-p first drops the tokens whose probability at temperature 1 is below min_p times the
+    most likely token's (as llama.cpp does, so that min-p means the same at any temperature);
     temperature scales the logits; top-k then zeroes all but the k largest; top-p then keeps
     the smallest prefix (by probability) with mass >= top_p; what is kept is renormalised.
-    With temperature 0 this is the softmax at temperature 1 (used to rank draft candidates; greedy
-    verification looks at the argmax only).
+    With temperature 0 this is the softmax at temperature 1 (used to rank draft candidates;
+    greedy verification looks at the argmax only).
     """
     temp = params.temperature or 1.0
     if params.top_k and params.top_k < np.size(logits):
         return _top_k_distribution(np.asarray(logits), temp, params)
-    z = np.asarray(logits, dtype=np.float64) / temp
-    p = softmax(z)
+    z = np.asarray(logits, dtype=np.float64)
+    if params.min_p > 0.0:
+        z = np.where(z >= z.max() + np.log(params.min_p), z, -np.inf)
+    p = softmax(z / temp)
     if params.top_p < 1.0:
         keep = _top_p_keep(p, params.top_p)
         q = np.zeros_like(p)
@@ -144,7 +148,12 @@ def top_k_support(kth: np.ndarray, logits: np.ndarray, params: SamplingParams
                   ) -> tuple[np.ndarray, np.ndarray]:
     """``top_k_distribution``'s tokens with probability (best first) and those probabilities."""
     temp = params.temperature or 1.0
-    z = np.asarray(logits, dtype=np.float64) / temp
+    z = np.asarray(logits, dtype=np.float64)
+    if params.min_p > 0.0:
+        # min-p keeps a prefix of the best-first tokens (before temperature: ``distribution``)
+        cut = int(np.count_nonzero(z >= z[0] + np.log(params.min_p)))
+        z, kth = z[:cut], kth[:cut]
+    z = z / temp
     e = np.exp(z - z[0])
     kept = e / e.sum()
     if params.top_p < 1.0:

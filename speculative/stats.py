@@ -32,6 +32,8 @@ class StepStats:
     # moments: the target's single-token cost read off this step's own pass (its time over the
     # cost curve's cost(batch) / cost(1)), per token; 0 when no cost curve was measured
     t_plain: float = 0.0
+    steered: int = 0       # verified positions where penalties changed the target's top token
+    t_penalties: float = 0.0  # seconds penalising logits (already inside draft and verify)
 
     @property
     def seconds(self) -> float:
@@ -171,6 +173,12 @@ class RunStats:
         proposed = sum(s.stage2_proposed for s in self.steps)
         return sum(s.stage2_used for s in self.steps) / proposed if proposed else 0.0
 
+    @property
+    def steered(self) -> int:
+        """Target passes' positions where the penalties changed the most likely token (greedy:
+        where the text went another way than the unpenalised target's)."""
+        return sum(s.steered for s in self.steps)
+
     def summary(self) -> dict[str, Any]:
         """Plain data for JSON output and display."""
         return {
@@ -188,6 +196,8 @@ class RunStats:
             "draft_seconds_per_accepted": self.draft_seconds_per_accepted,
             "stage2_hit_rate": self.stage2_hit_rate,
             "time": {"prefill": self.t_prefill, **self.time_split()},
+            "penalties": {"steered": self.steered,
+                          "seconds": sum(s.t_penalties for s in self.steps)},
             "seconds": self.seconds,
             "tokens_per_second": self.tokens_per_second,
         }

@@ -8,6 +8,10 @@ distribution p and draft distribution q, the children x_1, x_2, ... were drawn o
 from q without replacement. Try them in that order:
     accept x_i with probability min(1, p(x_i) / q_i(x_i));
     on rejection p <- norm(max(p - q_i, 0)) and q_{i+1} <- q_i without x_i, renormalised.
+With penalties (``speculative.penalties``), p at node u is the target's distribution after
+penalising u's logits with the history along u's own path; the rule is unchanged, so each
+emitted token follows the penalised target's distribution.
+
 Each try is ordinary speculative sampling of a proposal drawn from q_i against target p, whose
 output is distributed exactly as p (accepted token, or a draw from the residual); a rejected
 try hands that residual on as the next target. When every child is rejected, the next token is
@@ -20,6 +24,7 @@ import dataclasses
 
 import numpy as np
 
+from .penalties import StepPenalties
 from .sampling import SamplingParams, argmax, distribution, sample
 from .tree import TokenTree
 
@@ -29,29 +34,46 @@ class Verdict:
     accepted: list[int]  # tree nodes of the accepted path, root excluded, root-most first
     next_token: int      # the target's own token after the accepted path
     offered: int         # depths at which the target was offered at least one candidate
+    changed: int = 0     # positions where penalties changed the target's most likely token
 
 
-def verify_greedy(tree: TokenTree, logits: np.ndarray) -> Verdict:
+def _row(tree: TokenTree, logits: np.ndarray, u: int, penalties: StepPenalties | None
+         ) -> tuple[np.ndarray, bool]:
+    """The target's logits after node u, penalised along u's path; whether the penalties
+    changed which token is the most likely."""
+    if penalties is None:
+        return logits[u], False
+    row = penalties.apply(logits[u], tree.path(u))
+    return row, argmax(row) != argmax(logits[u])
+
+
+def verify_greedy(tree: TokenTree, logits: np.ndarray,
+                  penalties: StepPenalties | None = None) -> Verdict:
     """``logits[i]`` are the target's logits after tree node ``i``."""
     path: list[int] = []
-    u = 0
+    u, changed = 0, 0
     while True:
-        token = argmax(logits[u])
+        row, moved = _row(tree, logits, u, penalties)
+        changed += moved
+        token = argmax(row)
         child = tree.child_with_token(u, token)
         if child is None:
             offered = len(path) + (1 if tree.children[u] else 0)
-            return Verdict(path, token, offered)
+            return Verdict(path, token, offered, changed)
         path.append(child)
         u = child
 
 
 def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray],
-                    params: SamplingParams, rng: np.random.Generator) -> Verdict:
+                    params: SamplingParams, rng: np.random.Generator,
+                    penalties: StepPenalties | None = None) -> Verdict:
     """``q[u]`` is the draft distribution u's children were drawn from (see ``grow_tree``)."""
     path: list[int] = []
-    u = 0
+    u, changed = 0, 0
     while True:
-        p = distribution(logits[u], params)
+        row, moved = _row(tree, logits, u, penalties)
+        changed += moved
+        p = distribution(row, params)
         kids = tree.children[u]
         result = _try_children(tree, kids, p, q[u] if kids else None, rng)
         if not isinstance(result, np.ndarray):
@@ -59,7 +81,7 @@ def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray
             u = result
             continue
         offered = len(path) + (1 if kids else 0)
-        return Verdict(path, sample(result, rng), offered)
+        return Verdict(path, sample(result, rng), offered, changed)
 
 
 def _try_children(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None,

@@ -20,10 +20,12 @@ from speculative.costmodel import VerifyCost, best_size
 from speculative.drafting import DraftCounters, TreeBudget, grow_tree
 from speculative.engine import Engine
 from speculative.ngram import KatzTrigram
+from speculative.penalties import Penalizer
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams, distribution, sample_without_replacement
 from speculative.verify import verify_sampling
 from tests.fakes import FakeContext, logit_table, noisy, table_logits
+from tests.speculative.test_penalties import reference
 
 V = 8
 TARGET = logit_table(V, seed=11, sharpness=1.5).astype(np.float32)
@@ -52,21 +54,31 @@ class TableDrafter:
         pass
 
 
-def exact_joint(params: SamplingParams) -> np.ndarray:
-    p1 = distribution(table_logits(TARGET, PROMPT), params)
+def exact_joint(params: SamplingParams, prompt: Sequence[int] = PROMPT) -> np.ndarray:
+    """The target's joint distribution of the next two tokens, penalised by the reference."""
+    def dist(history: list[int]) -> np.ndarray:
+        logits = table_logits(TARGET, history)
+        if params.penalized:
+            logits = reference(logits, history, params)
+        return distribution(logits, params)
+
+    p1 = dist(list(prompt))
     joint = np.zeros((V, V))
     for x in range(V):
-        joint[x] = p1[x] * distribution(table_logits(TARGET, [*PROMPT, x]), params)
+        joint[x] = p1[x] * dist([*prompt, x])
     return joint
 
 
 def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams,
-               rng: np.random.Generator, sizing: dict | None = None) -> tuple[int, int]:
+               rng: np.random.Generator, sizing: dict | None = None,
+               prompt: Sequence[int] = PROMPT) -> tuple[int, int]:
     """Two tokens by tree speculative sampling. With ``sizing``, each tree is cut to the size
     ``best_size`` picks from the *previous* tree's scores, as the engine does when sampling."""
-    committed, out = list(PROMPT), []
+    committed, out = list(prompt), []
+    penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
     while len(out) < 2:
-        draft = grow_tree(drafter, committed, budget, params, rng)
+        penalties = penalizer.step(committed) if penalizer is not None else None
+        draft = grow_tree(drafter, committed, budget, params, rng, penalties=penalties)
         if sizing is not None:
             previous, sizing["previous"] = sizing.get("previous"), draft.scores()
             if previous:
@@ -74,7 +86,7 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
         tree = draft.tree
         logits = np.array([table_logits(TARGET, [*committed, *tree.path(i)])
                            for i in range(len(tree))])
-        verdict = verify_sampling(tree, logits, draft.q, params, rng)
+        verdict = verify_sampling(tree, logits, draft.q, params, rng, penalties)
         new = [tree.tokens[n] for n in verdict.accepted] + [verdict.next_token]
         out += new
         committed += new
@@ -82,25 +94,26 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
 
 
 def _count_pairs(job: tuple) -> np.ndarray:
-    noise, budget, params, cost, seed, n = job
+    noise, budget, params, cost, seed, n, prompt = job
     drafter = TableDrafter(noisy(TARGET, seed=7, noise=noise).astype(np.float32))
     rng = np.random.default_rng(seed)
     sizing = {"cost": cost} if cost is not None else None
     counts = np.zeros((V, V), dtype=np.int64)
     for _ in range(n):
-        a, b = sample_two(drafter, budget, params, rng, sizing)
+        a, b = sample_two(drafter, budget, params, rng, sizing, prompt)
         counts[a, b] += 1
     return counts
 
 
 def count_pairs(noise: float, budget: TreeBudget, params: SamplingParams, seed: int,
-                n: int = 100_000, cost: VerifyCost | None = None) -> np.ndarray:
+                n: int = 100_000, cost: VerifyCost | None = None,
+                prompt: Sequence[int] = PROMPT) -> np.ndarray:
     """Counts of the first two tokens over ``n`` runs of ``sample_two`` (a draft of the given
     noise; with ``cost``, trees sized as the engine sizes them), split over up to two worker
     processes with independent random streams spawned from ``seed``."""
     workers = max(1, min(2, os.cpu_count() or 1))
     streams = np.random.SeedSequence(seed).spawn(workers)
-    jobs = [(noise, budget, params, cost, s, n // workers + (i < n % workers))
+    jobs = [(noise, budget, params, cost, s, n // workers + (i < n % workers), tuple(prompt))
             for i, s in enumerate(streams)]
     if workers == 1:
         return _count_pairs(jobs[0])
@@ -145,6 +158,29 @@ def test_tree_sampling_preserves_the_target_distribution(case) -> None:
     counts = count_pairs(noise, budget, params, seed=2024)
     assert counts.sum() == 100_000
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+# a prompt that repeats itself, so that the penalties act on both tokens, and DRY on a match
+# of two ("3 5" before 1)
+REPEATING = [3, 5, 1, 3, 5]
+PENALISED = [
+    SamplingParams(temperature=1.0, repeat_penalty=1.4, presence_penalty=0.3,
+                   frequency_penalty=0.2, dry_multiplier=1.0, dry_allowed_length=1),
+    SamplingParams(temperature=0.8, top_k=5, min_p=0.05, repeat_penalty=1.2,
+                   dry_multiplier=2.0, dry_allowed_length=2),
+]
+
+
+@pytest.mark.parametrize("params", PENALISED, ids=["full", "top-k"])
+def test_tree_sampling_with_penalties_preserves_the_penalised_target(params) -> None:
+    """Each node's target and draft distributions are penalised along its own path."""
+    want = exact_joint(params, REPEATING)
+    assert not np.allclose(want, exact_joint(SamplingParams(temperature=params.temperature,
+                                                            top_k=params.top_k), REPEATING),
+                           atol=0.01)  # the penalties move the distribution
+    counts = count_pairs(0.7, TreeBudget(6, 2, 3), params, seed=7, prompt=REPEATING)
+    ok, stat, critical, dof = chi_square_ok(counts, want)
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
 
 
@@ -202,12 +238,18 @@ def test_sample_without_replacement_order_is_the_sequential_process() -> None:
     assert np.allclose(seconds_after_0 / seconds_after_0.sum(), cond, atol=0.015)
 
 
+@pytest.mark.parametrize("penalised", [False, True], ids=["", "penalised"])
 @pytest.mark.parametrize("mode", [Mode.STAGED, Mode.AUTO, Mode.NGRAM])
-def test_engine_sampling_end_to_end_matches_the_target(mode: Mode) -> None:
+def test_engine_sampling_end_to_end_matches_the_target(mode: Mode, penalised: bool) -> None:
     """The same check through the engine, its KV bookkeeping and the staged drafter, or auto's
     cost-driven drafting, or the n-gram's trees from each node's top-k children (fewer
-    samples: the fake contexts are slow)."""
+    samples: the fake contexts are slow); with penalties, on a prompt that repeats itself."""
     params_base = {"temperature": 1.0, "top_k": 6}
+    prompt = PROMPT
+    if penalised:
+        params_base |= {"repeat_penalty": 1.3, "dry_multiplier": 1.5, "dry_allowed_length": 1,
+                        "min_p": 0.02}
+        prompt = REPEATING
     draft_table = noisy(TARGET, seed=3, noise=0.7).astype(np.float32)
     ngram = KatzTrigram.build([[3, 5, 1, 2, 3, 5, 1, 2]], V)
     engine = Engine(FakeContext(TARGET), FakeContext(draft_table), ngram,
@@ -220,10 +262,11 @@ def test_engine_sampling_end_to_end_matches_the_target(mode: Mode) -> None:
     for seed in range(6_000):
         params = SamplingParams(seed=seed, **params_base)
         out: list[int] = []
-        for step in engine.generate(PROMPT, 2, params):
+        for step in engine.generate(prompt, 2, params):
             out += step.tokens
             drafted.append(step.stats.drafted)
         counts[out[0], out[1]] += 1
     assert 0 < drafted.count(0) < len(drafted) or mode is not Mode.AUTO
-    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base)))
+    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base),
+                                                                prompt))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
