@@ -18,6 +18,7 @@ import dataclasses
 from collections.abc import Callable, Sequence
 
 from speculative.errors import PromptTooLong
+from speculative.sampling import SamplingParams
 
 Tokenizer = Callable[[str], list[int]]
 
@@ -32,6 +33,8 @@ class PromptFormat:
     turn_suffix: str
     stops: tuple[str, ...]     # the reply ends before the first of these
     monospace: bool            # replies are code: show them in a monospace block
+    # repetition control and min-p for replies in this format (``SamplingParams.with_sampler``)
+    sampler: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
     def render(self, messages: Sequence[tuple[str, str]], continuing: bool) -> list[str]:
         """The prompt's parts: the header, then one string per message; the last part opens
@@ -53,13 +56,38 @@ CODE = PromptFormat(
     name="code", label="Code completion", header="", user_prefix="", assistant_prefix="",
     turn_suffix="", stops=("\n\n\n", "\ndef ", "\nclass ", "\nasync def ", "\nif __name__",
                            "\n@"),
-    monospace=True)
+    monospace=True,
+    # chosen by ``python -m app.diagnostics.sampler --tune`` on assets/eval_prompts.txt and
+    # reported on the held-out prompts (README); only the newline breaks DRY's sequences, so
+    # a repeated "):" or quote does not reset a loop
+    sampler=SamplingParams(min_p=0.05, repeat_penalty=1.05, repeat_last_n=64,
+                           dry_multiplier=0.8, dry_base=1.75, dry_allowed_length=2,
+                           dry_breakers=("\n",)))
 TRANSCRIPT = PromptFormat(
     name="transcript", label="Chat transcript",
     header="A conversation between a curious user and a knowledgeable, friendly assistant.\n\n",
     user_prefix="User: ", assistant_prefix="Assistant:", turn_suffix="\n",
-    stops=("\nUser:", "\nUser ", "\n\n\n"), monospace=False)
+    stops=("\nUser:", "\nUser ", "\n\n\n"), monospace=False,
+    # DRY's published defaults and llama.cpp's min-p; no chat model here to tune them on
+    sampler=SamplingParams(min_p=0.05, dry_multiplier=0.8, dry_base=1.75,
+                           dry_allowed_length=2))
 FORMATS = {f.name: f for f in (CODE, TRANSCRIPT)}
+
+
+def describe_sampler(p: SamplingParams) -> str:
+    """Repetition control and min-p in a few words, for the UI and reports."""
+    parts = []
+    if p.repeat_penalty != 1.0 and p.repeat_last_n:
+        parts.append(f"repeat penalty {p.repeat_penalty:g} over {p.repeat_last_n} tokens")
+    if (p.presence_penalty or p.frequency_penalty) and p.repeat_last_n:
+        parts.append(f"presence {p.presence_penalty:g}, frequency {p.frequency_penalty:g}")
+    if p.dry_multiplier:
+        breakers = " ".join(repr(b)[1:-1] for b in p.dry_breakers) or "none"
+        parts.append(f"DRY {p.dry_multiplier:g} (base {p.dry_base:g}, allowed "
+                     f"{p.dry_allowed_length}, breakers {breakers})")
+    if p.min_p:
+        parts.append(f"min-p {p.min_p:g}")
+    return ", ".join(parts) or "off"
 
 
 def format_for(builtin: bool) -> PromptFormat:

@@ -97,6 +97,9 @@ def footer(stats: dict[str, Any], mode: str, finish: str) -> str:
     parts.append(f"τ {stats.get('tau', 0):.2f}")
     parts.append(f"draft {o.get('draft', 0) / total:.0%} · n-gram {o.get('ngram', 0) / total:.0%}"
                  f" · target {o.get('target', 0) / total:.0%}")
+    steered = stats.get("penalties", {}).get("steered", 0)
+    if steered:
+        parts.append(f"penalties steered {steered}")
     if ending:
         parts.append(ending)
     return "  ·  ".join(p for p in parts if p)

@@ -11,7 +11,7 @@ from __future__ import annotations
 import dataclasses
 import logging
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from PySide6.QtCore import QSettings
 
@@ -20,7 +20,20 @@ from speculative.drafting import TreeBudget
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 
+if TYPE_CHECKING:
+    from app.prompting import PromptFormat
+
 log = logging.getLogger(__name__)
+
+REPETITION_LABELS: dict[str, str] = {
+    # where a reply's repetition control and min-p come from, in menu order
+    "format": "The chat format's defaults",
+    "custom": "My settings",
+    "off": "Off",
+}
+
+# the key under which a chat keeps its own choice of REPETITION_LABELS (``Conversation.settings``)
+CHAT_REPETITION = "chat_repetition"
 
 MODE_LABELS: dict[str, str] = {
     # the user's words for each engine mode, in menu order
@@ -50,6 +63,17 @@ class AppSettings:
     max_tokens: int = 200
     seed: int = -1                    # -1: a new seed per reply; >= 0: the same draws (the same
     #   text for the same tree shapes; auto and adaptive trees size them by measured timings)
+    # repetition control and min-p: a chat's format's defaults, the values below, or none (a
+    # chat can choose for itself: ``Conversation.settings[CHAT_REPETITION]``)
+    repetition: str = "format"
+    min_p: float = 0.05
+    repeat_penalty: float = 1.0
+    repeat_last_n: int = 64
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    dry_multiplier: float = 0.8
+    dry_base: float = 1.75
+    dry_allowed_length: int = 2
     # performance
     threads: int = 0                  # 0: chosen by the thread policy (see app/worker/loading.py)
     n_ctx: int = 1024                 # capped by the models' trained context
@@ -67,8 +91,20 @@ class AppSettings:
         return SpecConfig(mode=Mode(self.mode), tree=budget, chain_length=self.chain_length,
                           lookahead=self.lookahead, adaptive=self.adaptive)
 
-    def sampling(self, seed: int) -> SamplingParams:
-        return SamplingParams(self.temperature, self.top_k, self.top_p, seed)
+    def sampling(self, seed: int, fmt: PromptFormat | None = None) -> SamplingParams:
+        """The sampling of a reply in format ``fmt`` (None: without repetition control)."""
+        params = SamplingParams(self.temperature, self.top_k, self.top_p, seed)
+        if self.repetition == "custom":
+            return dataclasses.replace(
+                params, min_p=self.min_p, repeat_penalty=self.repeat_penalty,
+                repeat_last_n=self.repeat_last_n, presence_penalty=self.presence_penalty,
+                frequency_penalty=self.frequency_penalty, dry_multiplier=self.dry_multiplier,
+                dry_base=self.dry_base, dry_allowed_length=self.dry_allowed_length,
+                dry_breakers=fmt.sampler.dry_breakers if fmt is not None else
+                params.dry_breakers)
+        if self.repetition == "format" and fmt is not None:
+            return params.with_sampler(fmt.sampler)
+        return params
 
     def context(self, threads: int) -> ContextConfig:
         """Contexts big enough for any tree these settings can ask for (see ``Engine.check``)."""
@@ -85,8 +121,19 @@ class AppSettings:
     def validated(self) -> AppSettings:
         """Values clamped to what the engine accepts (a hand-edited file may hold anything)."""
         mode = self.mode if self.mode in MODE_LABELS else AppSettings.mode
+        repetition = (self.repetition if self.repetition in REPETITION_LABELS
+                      else AppSettings.repetition)
         return dataclasses.replace(
-            self, mode=mode, max_nodes=_clamp(self.max_nodes, 1, 128),
+            self, mode=mode, repetition=repetition,
+            min_p=min(max(self.min_p, 0.0), 0.99),
+            repeat_penalty=min(max(self.repeat_penalty, 0.5), 3.0),
+            repeat_last_n=_clamp(self.repeat_last_n, 0, 4096),
+            presence_penalty=min(max(self.presence_penalty, -2.0), 2.0),
+            frequency_penalty=min(max(self.frequency_penalty, -2.0), 2.0),
+            dry_multiplier=min(max(self.dry_multiplier, 0.0), 10.0),
+            dry_base=min(max(self.dry_base, 1.0), 4.0),
+            dry_allowed_length=_clamp(self.dry_allowed_length, 1, 32),
+            max_nodes=_clamp(self.max_nodes, 1, 128),
             max_depth=_clamp(self.max_depth, 1, 32), max_children=_clamp(self.max_children, 1, 16),
             chain_length=_clamp(self.chain_length, 1, 32), lookahead=_clamp(self.lookahead, 0, 16),
             temperature=min(max(self.temperature, 0.0), 5.0), top_k=_clamp(self.top_k, 0, 50257),

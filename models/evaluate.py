@@ -13,8 +13,9 @@ argmax is not whitespace.
 
 Samples (``--samples``): the target alone continues each prompt of a prompt set (a function
 signature and docstring, none taken from the corpus), greedily and sampled, and each
-continuation is printed and judged (see ``judge``): *degenerate* (a token repeated more than 12
-times in a row, more than 60% whitespace characters, or fewer than 4 distinct words) and
+continuation is printed and judged (see ``judge``): *degenerate* (a loop: a sequence of up to 8
+tokens repeated back to back over more than 12 tokens, such as one token 13 times or
+``len(len(len(...``; more than 60% whitespace characters; or fewer than 4 distinct words) and
 *plausible* (the prompt plus at least one new non-blank line parses as Python, cut at a line
 boundary). Speed or acceptance measured on degenerate text means nothing.
 """
@@ -24,7 +25,6 @@ from __future__ import annotations
 import argparse
 import ast
 import dataclasses
-import itertools
 import json
 import re
 import sys
@@ -40,7 +40,8 @@ from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 
 PROMPTS = Path(__file__).resolve().parents[1] / "assets" / "eval_prompts.txt"
-MAX_RUN = 12           # a token repeated more than this many times in a row is degenerate
+MAX_RUN = 12           # a loop over more than this many tokens is degenerate
+MAX_PERIOD = 8         # ... a loop: a sequence of at most this many tokens, repeated
 MAX_WHITESPACE = 0.6   # ... and so is text more than this share whitespace characters
 MIN_WORDS = 4          # ... or with fewer distinct words
 
@@ -161,20 +162,31 @@ class Verdict:
 
 def judge(prompt: str, tokens: Sequence[int], text: str) -> Verdict:
     """Degenerate and plausible, as defined in the module docstring."""
-    run, longest = 1, 1 if tokens else 0
-    for a, b in itertools.pairwise(tokens):
-        run = run + 1 if a == b else 1
-        longest = max(longest, run)
+    covered, period = longest_loop(tokens)
     words = set(re.findall(r"[A-Za-z_][A-Za-z_0-9]*", text))
     space = sum(c.isspace() for c in text) / max(1, len(text))
     why = None
-    if longest > MAX_RUN:
-        why = f"a token repeated {longest} times"
+    if covered > MAX_RUN:
+        why = (f"a token repeated {covered} times" if period == 1 else
+               f"a loop of {period} tokens over {covered} tokens")
     elif space > MAX_WHITESPACE:
         why = f"{space:.0%} whitespace"
     elif len(words) < MIN_WORDS:
         why = f"{len(words)} distinct words"
     return Verdict(why, _parses_with_a_new_line(prompt, text))
+
+
+def longest_loop(tokens: Sequence[int]) -> tuple[int, int]:
+    """The most tokens covered by one sequence of at most ``MAX_PERIOD`` tokens repeated back
+    to back, and that sequence's length (1: one token repeated)."""
+    best = (1 if len(tokens) else 0, 1)
+    for period in range(1, MAX_PERIOD + 1):
+        run = 0  # positions i in a row with tokens[i] == tokens[i - period]
+        for i in range(period, len(tokens)):
+            run = run + 1 if tokens[i] == tokens[i - period] else 0
+            if run and run + period > best[0]:
+                best = (run + period, period)
+    return best
 
 
 def _parses_with_a_new_line(prompt: str, text: str) -> bool:
@@ -199,25 +211,34 @@ def sample_continuations(target: Path, prompts: Sequence[str], params: SamplingP
     with LlamaModel(target) as model, LlamaContext(model, config) as ctx:
         vocab = model.vocab
         for i, prompt in enumerate(prompts):
-            engine = Engine(ctx, config=SpecConfig(mode=Mode.PLAIN, adaptive=False))
+            engine = Engine(ctx, config=SpecConfig(mode=Mode.PLAIN, adaptive=False),
+                            breakers=vocab.tokens_containing)
             # one seed per prompt: with the same seed every prompt would get the same random
             # draws, and one unlucky draw at the same step would repeat across the whole set
             each = dataclasses.replace(params, seed=(params.seed or 0) + i)
-            tokens = [t for step in engine.generate(vocab.tokenize(prompt), max_tokens, each,
-                                                    stop={vocab.eos}) for t in step.tokens]
+            tokens, steered = [], 0
+            for step in engine.generate(vocab.tokenize(prompt), max_tokens, each,
+                                        stop={vocab.eos}):
+                tokens += step.tokens
+                steered += step.stats.steered
             text = vocab.detokenize(tokens)
             verdict = judge(prompt, tokens, text)
             out.append({"prompt": prompt, "text": text, "degenerate": verdict.degenerate,
-                        "plausible": verdict.plausible})
+                        "plausible": verdict.plausible, "tokens": len(tokens),
+                        "steered": steered})
     return out
 
 
 def samples_report(target: Path, prompts: Sequence[str], max_tokens: int = 48,
-                   threads: int = 0, seed: int = 0) -> dict[str, Any]:
-    """Greedy and sampled (temperature 0.8, top-p 0.95) continuations with their rates."""
+                   threads: int = 0, seed: int = 0,
+                   sampler: SamplingParams | None = None) -> dict[str, Any]:
+    """Greedy and sampled (temperature 0.8, top-p 0.95) continuations with their rates;
+    ``sampler``: repetition control and min-p for both (``SamplingParams.with_sampler``)."""
     report = {}
     for name, params in (("greedy", SamplingParams()),
                          ("sampled", SamplingParams(0.8, 0, 0.95, seed))):
+        if sampler is not None:
+            params = params.with_sampler(sampler)
         rows = sample_continuations(target, prompts, params, max_tokens, threads)
         report[name] = {"degenerate": sum(r["degenerate"] is not None for r in rows) / len(rows),
                         "plausible": sum(r["plausible"] for r in rows) / len(rows),

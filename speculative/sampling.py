@@ -70,12 +70,22 @@ class SamplingParams:
     def greedy(self) -> bool:
         return self.temperature == 0.0
 
+    def with_sampler(self, other: SamplingParams) -> SamplingParams:
+        """These params with ``other``'s repetition control and min-p (``SAMPLER_FIELDS``)."""
+        return dataclasses.replace(self, **{f: getattr(other, f) for f in SAMPLER_FIELDS})
+
     @property
     def penalized(self) -> bool:
         """Any setting that depends on the text so far is on."""
         return (((self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
                  or self.frequency_penalty != 0.0) and self.repeat_last_n > 0)
                 or self.dry_multiplier > 0.0)
+
+
+# the settings beyond temperature, top-k, top-p and seed: a prompt format's defaults
+SAMPLER_FIELDS = ("min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
+                  "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
+                  "dry_last_n", "dry_breakers")
 
 
 def softmax(logits: np.ndarray) -> np.ndarray:

@@ -41,6 +41,7 @@ import time
 from pathlib import Path
 from typing import Any, TextIO
 
+from app.prompting import describe_sampler
 from app.tools import peer
 from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
@@ -55,6 +56,7 @@ from speculative.stats import RunStats
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 PROMPT_SETS = {"code": ASSETS / "bench_prompts.txt", "chat": ASSETS / "chat_prompts.txt"}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the sampled setting the results report
+PENALISED = "+penalties"  # a cell's sampling with repetition control on
 
 
 def load_prompts(path: Path) -> list[str]:
@@ -68,6 +70,10 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="code, chat, both, or a file of prompts separated by '---' lines")
     parser.add_argument("--sampling", choices=("greedy", "sampled", "both"), default="greedy",
                         help="greedy, or temperature 1 with top-k 50 (sampled), or both")
+    parser.add_argument("--penalties", choices=("off", "on", "both"), default="off",
+                        help="repetition control: off, on (the sampler options given, else the "
+                             "code format's defaults), or both side by side: what the "
+                             "penalties cost each mode")
     parser.add_argument("--repeats", type=int, default=3)
     parser.add_argument("--no-ceiling", action="store_true", help="skip the oracle ceiling")
     parser.add_argument("--peers", action="store_true",
@@ -104,12 +110,20 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
           spec: SpecConfig, config: ContextConfig, params: SamplingParams, out: TextIO) -> int:
     sets = _prompt_sets(str(args.prompts))
     modes = [m for m in args.mode if m is not Mode.PLAIN]
-    samplings = {"greedy": SamplingParams(), "sampled": SAMPLED}
-    chosen = ["greedy", "sampled"] if args.sampling == "both" else [args.sampling]
+    bases = {"greedy": SamplingParams(), "sampled": SAMPLED}
     if args.temp > 0 and args.sampling == "greedy":  # --temp given: that setting instead
-        samplings["greedy"] = params
+        bases["greedy"] = params.with_sampler(SamplingParams())
+    samplings: dict[str, SamplingParams] = {}
+    for name in ["greedy", "sampled"] if args.sampling == "both" else [args.sampling]:
+        if args.penalties in ("off", "both"):
+            samplings[name] = bases[name]
+        if args.penalties in ("on", "both"):
+            samplings[name + PENALISED] = bases[name].with_sampler(params)
+    chosen = list(samplings)
     report: dict[str, Any] = {"host": host_info(config.n_threads), "target": target.name,
                               "draft": draft.name if draft else None, "cells": []}
+    if args.penalties != "off":
+        report["penalties"] = describe_sampler(params)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
                    ngram_path, ngram_optional=args.ngram is None) as pair:
         cost = pair.measure_costs(spec)
@@ -201,6 +215,7 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
     """Each mode's figures, derived from ``RunStats`` only."""
     from models.evaluate import judge
 
+    greedy = not cell.sampling.startswith("sampled")
     plain_speed = [_pooled(rs).tokens_per_second for rs in cell.runs["plain"]]
     modes: dict[str, Any] = {}
     for mode, repeats in cell.runs.items():
@@ -213,7 +228,7 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
             for prompt, o, p in zip(cell.prompts, outs, plains, strict=True):
                 if o == p:
                     same += 1
-                elif cell.sampling == "greedy":  # a tie of the target's own logits, or not
+                elif greedy:  # a tie of the target's own logits, or not
                     why = explain(pair.target_ctx, prompt, p, o)
                     ties += why is not None and why.tie
         total = sum(len(outs) for outs in cell.outputs[mode])
@@ -230,9 +245,12 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
             "depth_acceptance": everything.depth_acceptance()[:8],
             "origins": everything.origins(), "time": everything.time_split(),
             "identical": (f"{same}/{total}" + (f" +{ties} ties" if ties else "")
-                          if cell.sampling == "greedy" else None),
-            "ties": ties if cell.sampling == "greedy" else None,
-            "differ_not_tied": total - same - ties if cell.sampling == "greedy" else None,
+                          if greedy else None),
+            "ties": ties if greedy else None,
+            "differ_not_tied": total - same - ties if greedy else None,
+            "penalty_ms_per_token": 1000 * sum(s.t_penalties for s in everything.steps)
+            / max(1, everything.tokens),
+            "steered": everything.steered,
             "degenerate_outputs": f"{degenerate}/{len(cell.outputs[mode][0])}",
         }
     ceiling = modes.get("oracle", {}).get("speedup")
@@ -361,6 +379,7 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
             lines.append(f"WARNING: degenerate outputs ({counts} of the first repeat): runs of "
                          "one token or of whitespace, and speed measured on them means little. "
                          "plain wrote: " + json.dumps(cell["sample_text"].get("plain", "")[:80]))
+    lines += _penalty_cost(report)
     peers = report.get("peers")
     if peers:
         lines.append("")
@@ -372,6 +391,25 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                 extra = f", acceptance {p['accept']:.0%}" if p.get("accept") is not None else ""
                 lines.append(f"  {name}: {p['tokens_per_second']:.1f} tok/s{extra}")
     return "\n".join(lines)
+
+
+def _penalty_cost(report: dict[str, Any]) -> list[str]:
+    """Each mode's speedup with the penalties against without them, from the same run."""
+    cells = {(c["sampling"], c["prompts"]): c for c in report["cells"]}
+    lines = []
+    for (sampling, prompts), on in cells.items():
+        off = cells.get((sampling.removesuffix(PENALISED), prompts))
+        if not sampling.endswith(PENALISED) or off is None:
+            continue
+        lines += ["", f"== penalties ({report.get('penalties', '')}): {off['sampling']}, "
+                  f"{prompts} prompts: speedup over plain with the same settings",
+                  f"{'mode':<8}{'off':>8}{'on':>8}{'on/off':>8}{'ms/token':>10}{'steered':>9}"]
+        for mode, s in on["modes"].items():
+            before = off["modes"].get(mode, {}).get("speedup")
+            ratio = f"{s['speedup'] / before:>8.2f}" if before else f"{'-':>8}"
+            lines.append(f"{mode:<8}{before or 0:>7.2f}x{s['speedup']:>7.2f}x{ratio}"
+                         f"{s['penalty_ms_per_token']:>10.3f}{s['steered']:>9}")
+    return lines
 
 
 def format_markdown(report: dict[str, Any], repeats: int) -> str:

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
+from app.prompting import FORMATS, format_for
 from app.tools.bench import add_arguments as add_bench_arguments
 from app.tools.bench import bench
 from models.catalog import BUILTIN_NGRAM, builtin_pair
@@ -23,7 +24,7 @@ from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import open_pair
 from speculative.policies import Mode, SpecConfig
-from speculative.sampling import SamplingParams
+from speculative.sampling import SAMPLER_FIELDS, SamplingParams
 from speculative.stats import RunStats
 from speculative.text import TextStream
 
@@ -106,16 +107,11 @@ def add_sampler_arguments(parser: argparse.ArgumentParser) -> None:
                    help='DRY: JSON list of strings no repeat runs across, e.g. \'["\\n", ":"]\'')
 
 
-_SAMPLER_OPTIONS = ("min_p", "repeat_penalty", "repeat_last_n", "presence_penalty",
-                    "frequency_penalty", "dry_multiplier", "dry_base", "dry_allowed_length",
-                    "dry_last_n", "dry_breakers")
-
-
 def sampling_params(args: argparse.Namespace,
                     defaults: SamplingParams | None = None) -> SamplingParams:
     """The sampling the options ask for: temperature, top-k, top-p and seed as given; each
     sampler option not given keeps its value in ``defaults`` (a prompt format's)."""
-    given = {name: getattr(args, name) for name in _SAMPLER_OPTIONS
+    given = {name: getattr(args, name) for name in SAMPLER_FIELDS
              if getattr(args, name, None) is not None}
     if "dry_breakers" in given:
         given["dry_breakers"] = tuple(given["dry_breakers"])
@@ -213,7 +209,9 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
     batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
                            n_threads=args.threads, flash_attn=args.flash_attn)
-    params = sampling_params(args)
+    # unset sampler options: the defaults of the format the app would chat in with these
+    # models (code for the built-in pair)
+    params = sampling_params(args, FORMATS[format_for(args.target is None)].sampler)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),

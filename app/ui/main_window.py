@@ -38,8 +38,14 @@ from app.history import (
     to_markdown,
     write_text_atomic,
 )
-from app.prompting import FORMATS, format_for
-from app.settings import MODE_LABELS, AppSettings, SettingsStore
+from app.prompting import FORMATS, describe_sampler, format_for
+from app.settings import (
+    CHAT_REPETITION,
+    MODE_LABELS,
+    REPETITION_LABELS,
+    AppSettings,
+    SettingsStore,
+)
 from app.ui.about import about_text
 from app.ui.chat_view import ChatView, shown
 from app.ui.conversations import ConversationListModel, ConversationPanel
@@ -83,7 +89,7 @@ class MainWindow(QMainWindow):
         self._build()
         self.replies = ReplyController(
             history=history, engine=self.controller, chat=self.chat, stats=self.stats,
-            banner=self.banner, status=self.status, settings=lambda: self.settings,
+            banner=self.banner, status=self.status, settings=self.chat_settings,
             prompt_format=self._format, shown_conversation=self._shown_id,
             models=lambda: self.info, parent=self)
         self._wire()
@@ -232,6 +238,11 @@ class MainWindow(QMainWindow):
         bar.addSeparator()
         bar.addWidget(QLabel(" Prompt format: "))
         bar.addWidget(self.format_combo)
+        self.repetition_combo = QComboBox()
+        for value, label in REPETITION_LABELS.items():
+            self.repetition_combo.addItem(label, value)
+        bar.addWidget(QLabel(" Repetition control: "))
+        bar.addWidget(self.repetition_combo)
         bar.addSeparator()
         self.model_label = QLabel(" models: loading…")
         bar.addWidget(self.model_label)
@@ -293,6 +304,7 @@ class MainWindow(QMainWindow):
         self.race_button.clicked.connect(self.race)
         self.mode_combo.currentIndexChanged.connect(self._mode_picked)
         self.format_combo.currentIndexChanged.connect(self._format_picked)
+        self.repetition_combo.currentIndexChanged.connect(self._repetition_picked)
         self.stats.show_origins_changed.connect(self._set_origins)
         self.conversations.selected.connect(self.open_conversation)
         self.conversations.new_requested.connect(self.new_conversation)
@@ -409,6 +421,14 @@ class MainWindow(QMainWindow):
         self.format_combo.blockSignals(True)
         self.format_combo.setCurrentIndex(max(0, self.format_combo.findData(fmt.name)))
         self.format_combo.blockSignals(False)
+        chosen = self.chat_settings()
+        self.repetition_combo.blockSignals(True)
+        self.repetition_combo.setCurrentIndex(
+            max(0, self.repetition_combo.findData(chosen.repetition)))
+        self.repetition_combo.blockSignals(False)
+        self.repetition_combo.setToolTip(
+            "Penalties against repeating earlier text, for this chat (Settings explains "
+            f"each). Now: {describe_sampler(chosen.sampling(0, fmt))}")
         self.format_label.setText(f"format: {fmt.label}")
         self.input.setPlaceholderText(
             "Start some Python for the model to complete: a function's signature and "
@@ -474,6 +494,25 @@ class MainWindow(QMainWindow):
         mode = self.mode_combo.currentData()
         if mode != self.settings.mode:
             self.apply_settings(dataclasses.replace(self.settings, mode=mode))
+
+    def chat_settings(self) -> AppSettings:
+        """The settings a reply in the shown chat runs with: the app's, with the chat's own
+        choice of repetition control if it made one."""
+        own = self.conversation.settings.get(CHAT_REPETITION) if self.conversation else None
+        if own in REPETITION_LABELS and own != self.settings.repetition:
+            return dataclasses.replace(self.settings, repetition=own)
+        return self.settings
+
+    def _repetition_picked(self) -> None:
+        """The chat keeps its choice (a new chat starts from the settings' choice)."""
+        choice = self.repetition_combo.currentData()
+        if self.conversation is not None:
+            settings = {**self.conversation.settings, CHAT_REPETITION: choice}
+            self.conversation = self.history.update_conversation(self.conversation.id,
+                                                                  settings=settings)
+        elif choice != self.settings.repetition:
+            self.apply_settings(dataclasses.replace(self.settings, repetition=choice))
+        self._sync_format_widgets()
 
     def _format_picked(self) -> None:
         name = self.format_combo.currentData()

@@ -21,7 +21,8 @@ from PySide6.QtWidgets import (
     QWidget,
 )
 
-from app.settings import MODE_LABELS, AppSettings
+from app.prompting import FORMATS, describe_sampler
+from app.settings import MODE_LABELS, REPETITION_LABELS, AppSettings
 
 
 class SettingsDialog(QDialog):
@@ -50,6 +51,34 @@ class SettingsDialog(QDialog):
                           "-1: a new seed for every reply. A fixed seed repeats a sampled reply "
                           "exactly when the drafted trees have the same shapes: a fixed mode with "
                           "adaptive tree size off (auto and adaptive sizing follow timings)")
+        self.repetition = QComboBox()
+        for value, label in REPETITION_LABELS.items():
+            self.repetition.addItem(label, value)
+        self.repetition.setToolTip("A chat can choose for itself in the toolbar")
+        self.min_p = _dspin(0.0, 0.99, 0.01, "drop tokens less likely than this times the most "
+                                             "likely one: cuts the unlikely tail when sampling "
+                                             "(0 = off; no effect at temperature 0)")
+        self.repeat_penalty = _dspin(0.5, 3.0, 0.05,
+                                     "makes every token of the recent text less likely: its "
+                                     "logit is divided by this (1 = off). Also punishes "
+                                     "names code must repeat")
+        self.repeat_last_n = _spin(0, 4096, "how many recent tokens the repeat, presence and "
+                                            "frequency penalties look at")
+        self.presence_penalty = _dspin(-2.0, 2.0, 0.05, "subtracted from the logit of every "
+                                                        "token in the recent text (0 = off)")
+        self.frequency_penalty = _dspin(-2.0, 2.0, 0.05,
+                                        "subtracted once per occurrence in the recent text "
+                                        "(0 = off)")
+        self.dry_multiplier = _dspin(0.0, 10.0, 0.05,
+                                     "DRY (don't repeat yourself): penalises the token that "
+                                     "would continue a repeat of earlier text, more the "
+                                     "longer the repeat; stops loops like 'path, path, path' "
+                                     "without punishing single repeated names (0 = off)")
+        self.dry_base = _dspin(1.0, 4.0, 0.05, "DRY: the penalty grows by this factor per "
+                                               "repeated token")
+        self.dry_allowed_length = _spin(1, 32, "DRY: repeats this long or shorter are free")
+        self.format_defaults = QLabel()
+        self.format_defaults.setWordWrap(True)
         self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
         self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
         self.n_ctx.setSingleStep(128)
@@ -76,6 +105,18 @@ class SettingsDialog(QDialog):
         form.addRow("Top-p", self.top_p)
         form.addRow("Max tokens", self.max_tokens)
         form.addRow("Seed", self.seed)
+        repetition = QGroupBox("Repetition control (applies from the next step)")
+        form = QFormLayout(repetition)
+        form.addRow("Use", self.repetition)
+        form.addRow(self.format_defaults)
+        form.addRow("Min-p", self.min_p)
+        form.addRow("Repeat penalty", self.repeat_penalty)
+        form.addRow("Penalty window", self.repeat_last_n)
+        form.addRow("Presence penalty", self.presence_penalty)
+        form.addRow("Frequency penalty", self.frequency_penalty)
+        form.addRow("DRY multiplier", self.dry_multiplier)
+        form.addRow("DRY base", self.dry_base)
+        form.addRow("DRY allowed length", self.dry_allowed_length)
         perf = QGroupBox("Performance (applies from the next reply)")
         form = QFormLayout(perf)
         form.addRow("Threads", self.threads)
@@ -95,15 +136,17 @@ class SettingsDialog(QDialog):
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
             self._defaults)
         layout = QVBoxLayout(self)
-        for w in (spec, sampling, perf, look, note, buttons):
+        for w in (spec, sampling, repetition, perf, look, note, buttons):
             layout.addWidget(w)
         self.set_settings(settings)
         for w in (self.max_nodes, self.max_depth, self.max_children, self.chain_length,
                   self.lookahead, self.top_k, self.max_tokens, self.seed, self.threads,
-                  self.n_ctx, self.gpu_layers, self.draft_gpu_layers):
+                  self.n_ctx, self.gpu_layers, self.draft_gpu_layers, self.repeat_last_n,
+                  self.dry_allowed_length):
             w.valueChanged.connect(self._edited)
-        for w in (self.temperature, self.top_p):
+        for w in (self.temperature, self.top_p, *self._sampler_doubles()):
             w.valueChanged.connect(self._edited)
+        self.repetition.currentIndexChanged.connect(self._edited)
         self.mode.currentIndexChanged.connect(self._edited)
         self.theme.currentIndexChanged.connect(self._edited)
         self.adaptive.toggled.connect(self._edited)
@@ -116,8 +159,9 @@ class SettingsDialog(QDialog):
         self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
         for name in ("max_nodes", "max_depth", "max_children", "chain_length", "lookahead",
                      "top_k", "max_tokens", "seed", "threads", "n_ctx", "temperature",
-                     "top_p", "gpu_layers", "draft_gpu_layers"):
+                     "top_p", "gpu_layers", "draft_gpu_layers", *_SAMPLER):
             getattr(self, name).setValue(getattr(s, name))
+        self.repetition.setCurrentIndex(max(0, self.repetition.findData(s.repetition)))
         self.adaptive.setChecked(s.adaptive)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
         self._update_enabled()
@@ -133,7 +177,12 @@ class SettingsDialog(QDialog):
             max_tokens=self.max_tokens.value(), seed=self.seed.value(),
             threads=self.threads.value(), n_ctx=self.n_ctx.value(),
             gpu_layers=self.gpu_layers.value(), draft_gpu_layers=self.draft_gpu_layers.value(),
-            theme=self.theme.currentData()).validated()
+            theme=self.theme.currentData(), repetition=self.repetition.currentData(),
+            **{name: getattr(self, name).value() for name in _SAMPLER}).validated()
+
+    def _sampler_doubles(self) -> list[QDoubleSpinBox]:
+        return [getattr(self, n) for n in _SAMPLER if isinstance(getattr(self, n),
+                                                                 QDoubleSpinBox)]
 
     def _edited(self) -> None:
         if self._building:
@@ -150,6 +199,12 @@ class SettingsDialog(QDialog):
         self.chain_length.setEnabled(mode == "chain")
         self.lookahead.setEnabled(mode in ("staged", "auto"))
         self.adaptive.setEnabled(mode != "plain")
+        custom = self.repetition.currentData() == "custom"
+        for name in _SAMPLER:
+            getattr(self, name).setEnabled(custom)
+        self.format_defaults.setText("\n".join(
+            f"{f.label}: {describe_sampler(f.sampler)}" for f in FORMATS.values()))
+        self.format_defaults.setVisible(self.repetition.currentData() == "format")
 
     def _defaults(self) -> None:
         keep = {f: getattr(self._settings, f) for f in ("target_path", "draft_path",
@@ -157,6 +212,11 @@ class SettingsDialog(QDialog):
         self.set_settings(AppSettings(**keep))
         self._settings = self.settings()
         self.changed.emit(self._settings)
+
+
+# the repetition control's own values ("My settings")
+_SAMPLER = ("min_p", "repeat_penalty", "repeat_last_n", "presence_penalty", "frequency_penalty",
+            "dry_multiplier", "dry_base", "dry_allowed_length")
 
 
 def _spin(low: int, high: int, tip: str) -> QSpinBox:

@@ -333,7 +333,7 @@ class StatsPanel(QWidget):
             f"{f.get('draft_calls_per_step', 0.0):.2f}; stage-2 hit rate "
             f"{f.get('stage2_hit_rate', 0.0):.0%}. Time: draft {split['draft'] * 1000:.0f} ms, "
             f"stage 2 {split['stage2'] * 1000:.0f} ms, verify {split['verify'] * 1000:.0f} ms, "
-            f"other {split['other'] * 1000:.0f} ms.")
+            f"other {split['other'] * 1000:.0f} ms.{_penalties(f)}")
 
     def _plot(self, points: list[Point]) -> None:
         self.speed_series.append([QPointF(x, s) for x, s, _ in points])
@@ -355,6 +355,15 @@ class StatsPanel(QWidget):
             axis.setRange(0, top)
             axis.setTickCount(5)  # nice numbers start from it and change it
             axis.applyNiceNumbers()
+
+
+def _penalties(f: dict[str, Any]) -> str:
+    """What repetition control did to the reply, if it ran."""
+    pen = f.get("penalties", {})
+    if not pen.get("seconds") and not pen.get("steered"):
+        return ""
+    return (f" Penalties changed the target's top token at {pen.get('steered', 0)} of "
+            f"{f.get('tokens', 0)} tokens ({pen.get('seconds', 0.0) * 1000:.0f} ms).")
 
 
 def _caption(text: str) -> QLabel:

@@ -12,7 +12,7 @@ import logging
 import threading
 from collections.abc import Callable, Iterator
 
-from app.prompting import FORMATS, Prompt, chat_prompt
+from app.prompting import FORMATS, Prompt, PromptFormat, chat_prompt
 from app.settings import AppSettings
 from app.worker.messages import ChatRequest, ReplyDone, StepEvent
 from speculative.engine import Engine, Step
@@ -54,7 +54,8 @@ def steps(engine: Engine, pair: ModelPair, request: ChatRequest, prompt: Prompt,
     step (sampling keeps the reply's seed, so its random stream goes on). Without
     ``stop_at_end_of_text`` the reply runs on past the model's end-of-text token, to its
     length limit or the end of the window."""
-    params = request.settings.sampling(request.seed)
+    fmt = FORMATS[request.format]
+    params = request.settings.sampling(request.seed, fmt)
     engine.sampling = None
     stop = {pair.target.vocab.eos} if stop_at_end_of_text else set()
     generated = engine.generate(prompt.tokens, request.settings.max_tokens, params,
@@ -65,13 +66,13 @@ def steps(engine: Engine, pair: ModelPair, request: ChatRequest, prompt: Prompt,
                 yield step
                 changed = live.take()
                 if changed is not None:
-                    _apply(engine, changed, request.seed)
+                    _apply(engine, changed, request.seed, fmt)
     finally:
         engine.sampling = None  # mid-reply changes are in the settings of the next reply
 
 
-def _apply(engine: Engine, settings: AppSettings, seed: int) -> None:
-    engine.sampling = settings.sampling(seed)  # temperature, top-k, top-p: next step
+def _apply(engine: Engine, settings: AppSettings, seed: int, fmt: PromptFormat) -> None:
+    engine.sampling = settings.sampling(seed, fmt)  # the sampler's settings: next step
     spec = settings.spec()
     try:
         engine.check(spec)

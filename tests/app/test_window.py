@@ -357,3 +357,59 @@ def test_keyboard_focus_starts_in_the_message_box(qtbot, data_dir: Path) -> None
     qtbot.waitUntil(lambda: QApplication.focusWidget() is not None, timeout=5_000)
     assert QApplication.focusWidget() is window.input
     window.close()
+
+
+LOOPING = ('def longest_word(sentence: str) -> str:\n'
+           '    """Return the longest word in sentence."""\n')
+
+
+def test_repetition_control_follows_the_chat_and_says_what_it_changed(qtbot,
+                                                                        data_dir: Path) -> None:
+    """A chat in the code format replies with the format's penalties (the settings' default
+    choice); the stored reply says how many tokens they steered; a chat that switches them off
+    keeps its choice, also after reopening, and its next reply is the target's own greedy text
+    (the built-in target loops on this prompt without them)."""
+    from app.prompting import CODE
+    from speculative.sampling import SamplingParams
+
+    window = _open(qtbot, data_dir, max_tokens=48)
+    assert window.settings.repetition == "format"
+    assert window.chat_settings().sampling(0, CODE).penalized
+    _reply(qtbot, window, LOOPING)
+    penalised = _last_reply(window)
+    steered = penalised.stats["penalties"]["steered"]
+    assert steered > 0
+    assert f"penalties steered {steered}" in window.chat.messages[-1].footer
+    assert "Penalties changed the target's top token" in window.stats.detail.text()
+    conversation = window.conversation.id
+    window.repetition_combo.setCurrentIndex(window.repetition_combo.findData("off"))
+    assert window.history.conversation(conversation).settings["chat_repetition"] == "off"
+    assert window.settings.repetition == "format"  # the app's default is untouched
+    window.new_conversation()
+    assert window.repetition_combo.currentData() == "format"
+    window.open_conversation(conversation)
+    assert window.repetition_combo.currentData() == "off"
+    assert window.chat_settings().sampling(0, CODE) == SamplingParams(0.0, 40, 0.95, 0)
+    _reply(qtbot, window, LOOPING)
+    plain = _last_reply(window)
+    assert plain.stats["penalties"]["steered"] == 0
+    assert plain.text != penalised.text
+    window.close()
+
+
+def test_the_settings_dialog_edits_the_repetition_control(qtbot, window: MainWindow) -> None:
+    from app.ui.settings_dialog import SettingsDialog
+
+    dialog = SettingsDialog(window.settings, window)
+    qtbot.addWidget(dialog)
+    seen = []
+    dialog.changed.connect(seen.append)
+    assert not dialog.dry_multiplier.isEnabled()  # the format's defaults: shown, not edited
+    assert "Code completion: repeat penalty" in dialog.format_defaults.text()
+    dialog.repetition.setCurrentIndex(dialog.repetition.findData("custom"))
+    assert dialog.dry_multiplier.isEnabled()
+    dialog.dry_multiplier.setValue(1.5)
+    dialog.repeat_penalty.setValue(1.2)
+    assert seen[-1].repetition == "custom"
+    params = seen[-1].sampling(3)
+    assert (params.dry_multiplier, params.repeat_penalty, params.seed) == (1.5, 1.2, 3)

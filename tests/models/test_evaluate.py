@@ -9,6 +9,7 @@ from models.evaluate import (
     format_samples,
     indentation_decisions,
     judge,
+    longest_loop,
     samples_report,
 )
 
@@ -40,6 +41,12 @@ def test_judge_flags_degenerate_text_and_accepts_code() -> None:
     # a body that never parses is not plausible, even without repetition
     assert not judge(prompt, list(range(20)), "    return a +\n    ) ) (\n").plausible
     assert judge(prompt, list(range(20)), "xx = xx\n").degenerate == "1 distinct words"
+    # a loop of a few tokens is as degenerate as one token repeated; a short repeat is not
+    loop = [10, 11, 12] * 5
+    assert judge(prompt, list(range(20)) + loop, code).degenerate == (
+        "a loop of 3 tokens over 15 tokens")
+    assert judge(prompt, [1, 2, 3] + [7, 8] * 6 + [4], code).degenerate is None  # 12 tokens
+    assert longest_loop([5] * 13) == (13, 1)
 
 
 def test_samples_report_prints_and_judges_every_prompt(tiny_models) -> None:
