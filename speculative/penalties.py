@@ -70,11 +70,12 @@ class StepPenalties:
         self._edits: dict[Path, tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray]] = {}
         self.seconds = 0.0  # spent penalising this step's nodes (inside drafting and verifying)
 
-    def apply(self, logits: np.ndarray, path: Path) -> np.ndarray:
-        """A copy of one row of ``logits`` after ``path`` below the root, penalised."""
+    def apply(self, logits: np.ndarray, path: Path, copy: bool = True) -> np.ndarray:
+        """One row of ``logits`` after ``path`` below the root, penalised: a copy, or (``copy``
+        False, for a float32 row its caller owns and reads no more) the row itself."""
         t0 = time.perf_counter()
         rep_tokens, rep_counts, dry_tokens, dry_amount = self._path_edits(path)
-        out = np.array(logits, dtype=np.float32)
+        out = np.array(logits, dtype=np.float32) if copy else logits
         if rep_tokens.size:
             out[rep_tokens] = self._repeat(out[rep_tokens], rep_counts)
         if dry_tokens.size:

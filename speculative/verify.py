@@ -43,8 +43,10 @@ def _row(tree: TokenTree, logits: np.ndarray, u: int, penalties: StepPenalties |
     changed which token is the most likely."""
     if penalties is None:
         return logits[u], False
-    row = penalties.apply(logits[u], tree.path(u))
-    return row, argmax(row) != argmax(logits[u])
+    before = argmax(logits[u])
+    # each node's row is read once, and the pass's logits are the verifier's own: no copy
+    row = penalties.apply(logits[u], tree.path(u), copy=logits.dtype != np.float32)
+    return row, argmax(row) != before
 
 
 def verify_greedy(tree: TokenTree, logits: np.ndarray,

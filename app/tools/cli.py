@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any, TextIO
 
-from app.prompting import FORMATS, format_for
+from app.prompting import format_for
 from app.tools.bench import add_arguments as add_bench_arguments
 from app.tools.bench import bench
 from models.catalog import BUILTIN_NGRAM, builtin_pair
@@ -211,7 +211,7 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
                            n_threads=args.threads, flash_attn=args.flash_attn)
     # unset sampler options: the defaults of the format the app would chat in with these
     # models (code for the built-in pair)
-    params = sampling_params(args, FORMATS[format_for(args.target is None)].sampler)
+    params = sampling_params(args, format_for(args.target is None).sampler)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
