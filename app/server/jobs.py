@@ -102,13 +102,15 @@ class Job:
         job. A client gone (its event loop closed) cancels it."""
         if self._ended:
             return
+        if isinstance(event, Finished | Failed):
+            # done first: a client that has its answer may send the next request at once,
+            # and must find this one out of the queue
+            self._ended = True
+            self._done(self, event)
         try:
             self._emit(event)
         except RuntimeError:  # the server's event loop is closed: nobody is listening
             self.cancel()
-        if isinstance(event, Finished | Failed):
-            self._ended = True
-            self._done(self, event)
 
     def fail(self, error: ApiError) -> None:
         self.emit(Failed(error))
