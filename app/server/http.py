@@ -254,6 +254,9 @@ class Api:
                 gone.cancel()  # from here the streaming response watches the connection
                 return EventStream(job, stream(events, answer, parsed))
             return await whole(job, events, gone, answer)
+        except BaseException:  # a refusal, or the server stopping: nobody waits for the job
+            job.cancel()
+            raise
         finally:
             gone.cancel()
 

@@ -45,7 +45,6 @@ class ModelCard:
 
     name: str                   # the model id clients name
     n_ctx: int                  # the context window, prompt and completion together
-    n_vocab: int
     modes: tuple[str, ...]      # speculation modes these models can run
     chat_format: str            # a key of app.prompting.FORMATS
     defaults: Defaults

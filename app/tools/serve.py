@@ -32,9 +32,9 @@ def card_for(pair: ModelPair, spec: SpecConfig, defaults: Defaults, chat_format:
     with one)."""
     modes = tuple(m.value for m in Mode.selectable()
                   if pair.draft is not None or not m.needs_draft)
-    return ModelCard(name=pair.target.name, n_ctx=pair.target_ctx.n_ctx,
-                     n_vocab=pair.target.vocab.n_vocab, modes=modes, chat_format=chat_format,
-                     defaults=dataclasses.replace(defaults, spec=spec), created=int(time.time()))
+    return ModelCard(name=pair.target.name, n_ctx=pair.target_ctx.n_ctx, modes=modes,
+                     chat_format=chat_format, defaults=dataclasses.replace(defaults, spec=spec),
+                     created=int(time.time()))
 
 
 def serve(args: argparse.Namespace, out: TextIO) -> int:
