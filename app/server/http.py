@@ -22,6 +22,7 @@ import ipaddress
 import json
 import logging
 import socket
+import threading
 from collections.abc import AsyncIterator, Awaitable
 from typing import Any, Protocol
 
@@ -135,6 +136,11 @@ class Guard:
         return None
 
 
+def stopping() -> ApiError:
+    return ApiError(503, "the server is stopping: the request was cancelled",
+                    kind="server_error", code="server_stopping")
+
+
 def too_large() -> ApiError:
     return ApiError(413, f"the request body is over {MAX_BODY} bytes", code="body_too_large")
 
@@ -162,10 +168,31 @@ async def until_disconnected(receive: Receive) -> None:
 
 
 class Api:
-    """The routes, on one backend, queue and set of guards."""
+    """The routes, on one backend, queue and set of guards; ``app`` is the ASGI application,
+    ``stop`` ends what runs when the server stops."""
 
     def __init__(self, backend: Backend, admission: Admission, security: Security) -> None:
         self.backend, self.admission, self.security = backend, admission, security
+        self._jobs: set[Job] = set()  # admitted and not yet done with
+        self._lock = threading.Lock()  # the engine's thread removes jobs from the set
+        self.stopping = False
+        middleware = [Middleware(Guard, security=security)]
+        if security.allowed_origins:
+            middleware.append(Middleware(
+                CORSMiddleware, allow_origins=list(security.allowed_origins),
+                allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
+        self.app = Starlette(routes=self.routes(), middleware=middleware,
+                             exception_handlers={ApiError: _api_error,
+                                                 HTTPException: _http_error})
+
+    def stop(self) -> None:
+        """The server is stopping: every admitted job is cancelled (running ones at the
+        engine's next step), so that open streams end instead of holding the shutdown."""
+        self.stopping = True
+        with self._lock:
+            jobs = list(self._jobs)
+        for job in jobs:
+            job.cancel()
 
     def routes(self) -> list[Route]:
         return [Route("/health", self.health, methods=["GET"]),
@@ -240,15 +267,20 @@ class Api:
         loop = asyncio.get_running_loop()
         job = Job(parsed, card, lambda event: loop.call_soon_threadsafe(events.put_nowait, event),
                   self.left)
+        with self._lock:
+            self._jobs.add(job)
         self.backend.submit(job)
         gone = asyncio.ensure_future(until_disconnected(request.receive))
         try:
             first = await next_event(events, gone)
+            if first is None:  # the client left while its job waited
+                job.cancel()
+                return Response(status_code=204)  # nobody will read it
             if isinstance(first, Failed):
                 raise first.error
-            if not isinstance(first, Started):  # the client left, or its job was skipped
-                job.cancel()
-                return Response(status_code=204)
+            if isinstance(first, Finished):  # cancelled before it started: the server stops
+                raise stopping()
+            assert isinstance(first, Started)  # a job's first event
             answer = Answer(endpoint, card.name)
             if parsed.stream:
                 gone.cancel()  # from here the streaming response watches the connection
@@ -262,6 +294,8 @@ class Api:
 
     def left(self, job: Job, event: Event) -> None:
         """A job's last event (on the engine's thread): it leaves the queue."""
+        with self._lock:
+            self._jobs.discard(job)
         if isinstance(event, Failed):
             self.admission.leave("failed")
         else:
@@ -291,6 +325,8 @@ async def whole(job: Job, events: asyncio.Queue[Event], gone: Awaitable[None],
         if isinstance(event, Failed):
             raise event.error
         if isinstance(event, Finished):
+            if event.finish == "cancelled":  # not by this client, which is still there
+                raise stopping()
             return JSONResponse(answer.whole(event))
 
 
@@ -322,10 +358,13 @@ async def stream(events: asyncio.Queue[Event], answer: Answer,
             for chunk in answer.pieces(event.pieces, request.include_origin):
                 yield sse(chunk)
         elif isinstance(event, Finished):
-            if event.finish != "cancelled":
+            if event.finish == "cancelled":
+                # a client that left reads nothing more: whoever still reads, the server stops
+                yield sse(stopping().body())
+            else:
                 for chunk in answer.closing(event, request.include_usage):
                     yield sse(chunk)
-                yield DONE
+            yield DONE
             return
         elif isinstance(event, Failed):  # after the 200: OpenAI's way is an error event
             yield sse(event.error.body())
@@ -353,15 +392,3 @@ async def _http_error(request: Request, exc: Exception) -> Response:
             405: f"{request.method} is not allowed on {request.url.path}"}
     return error_response(ApiError(exc.status_code, what.get(exc.status_code, exc.detail),
                                    headers=dict(exc.headers or {})))
-
-
-def create_app(backend: Backend, admission: Admission, security: Security) -> ASGIApp:
-    """The server's ASGI application."""
-    api = Api(backend, admission, security)
-    middleware = [Middleware(Guard, security=security)]
-    if security.allowed_origins:
-        middleware.append(Middleware(
-            CORSMiddleware, allow_origins=list(security.allowed_origins),
-            allow_methods=["GET", "POST"], allow_headers=["Authorization", "Content-Type"]))
-    return Starlette(routes=api.routes(), middleware=middleware,
-                     exception_handlers={ApiError: _api_error, HTTPException: _http_error})

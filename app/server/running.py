@@ -11,6 +11,7 @@ import ipaddress
 import logging
 import socket
 import threading
+from collections.abc import Callable
 
 import uvicorn
 from starlette.types import ASGIApp
@@ -50,25 +51,41 @@ def is_loopback(host: str) -> bool:
         return host == "localhost"
 
 
-def _server(app: ASGIApp, verbose: bool) -> uvicorn.Server:
+class _Server(uvicorn.Server):
+    """uvicorn, telling the application when it starts to stop: open streams are ended then
+    rather than cut when the grace period runs out."""
+
+    def __init__(self, config: uvicorn.Config, on_stop: Callable[[], None]) -> None:
+        super().__init__(config)
+        self.on_stop = on_stop
+
+    async def shutdown(self, sockets: list[socket.socket] | None = None) -> None:
+        self.on_stop()
+        await super().shutdown(sockets)
+
+
+def _server(app: ASGIApp, on_stop: Callable[[], None], verbose: bool) -> uvicorn.Server:
     config = uvicorn.Config(app, lifespan="off", log_config=None,
                             log_level="info" if verbose else "warning", access_log=verbose,
                             timeout_graceful_shutdown=GRACE)
-    return uvicorn.Server(config)
+    return _Server(config, on_stop)
 
 
-def serve_forever(app: ASGIApp, sock: socket.socket, verbose: bool = False) -> None:
-    """Serve on this thread until Ctrl+C (uvicorn handles the signals)."""
-    _server(app, verbose).run(sockets=[sock])
+def serve_forever(app: ASGIApp, on_stop: Callable[[], None], sock: socket.socket,
+                  verbose: bool = False) -> None:
+    """Serve on this thread until Ctrl+C (uvicorn handles the signals); ``on_stop`` is called
+    when it starts to stop."""
+    _server(app, on_stop, verbose).run(sockets=[sock])
 
 
 class ServerThread:
     """uvicorn on a thread of its own; ``stop`` ends it and closes the socket."""
 
-    def __init__(self, app: ASGIApp, sock: socket.socket, verbose: bool = False) -> None:
+    def __init__(self, app: ASGIApp, on_stop: Callable[[], None], sock: socket.socket,
+                 verbose: bool = False) -> None:
         self.sock = sock
         self.url = url(sock)
-        self._server = _server(app, verbose)
+        self._server = _server(app, on_stop, verbose)
         self._thread = threading.Thread(target=self._run, name="http-server", daemon=True)
         self._thread.start()
 

@@ -8,6 +8,7 @@ arrival order.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import dataclasses
 import logging
 import time
@@ -16,7 +17,7 @@ from typing import TextIO
 from app.prompting import format_for
 from app.server.admission import Admission
 from app.server.engine_thread import EngineThread
-from app.server.http import Security, create_app
+from app.server.http import Api, Security
 from app.server.jobs import Defaults, ModelCard
 from app.server.running import bind, is_loopback, serve_forever, url
 from app.tools.cli import engine_settings, resolve_models, sampling_params
@@ -57,8 +58,11 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
             try:
                 out.write(started_message(card, url(sock), args) + "\n")
                 out.flush()
-                serve_forever(create_app(engine_thread, admission, security), sock,
-                              args.verbose)
+                api = Api(engine_thread, admission, security)
+                with contextlib.suppress(KeyboardInterrupt):  # how it is meant to stop
+                    # uvicorn stops on Ctrl+C, then raises it again for the caller
+                    serve_forever(api.app, api.stop, sock, args.verbose)
+                out.write(f"Stopped after answering {admission.counts.answered} requests.\n")
             finally:
                 engine_thread.close()
     finally:

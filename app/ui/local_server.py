@@ -17,7 +17,7 @@ from PySide6.QtCore import QObject, Signal
 
 from app.prompting import format_for
 from app.server.admission import Admission, Counts
-from app.server.http import Security, create_app
+from app.server.http import Api, Security
 from app.server.jobs import Defaults, Job, ModelCard
 from app.server.running import ServerThread, bind
 from app.settings import AppSettings
@@ -82,7 +82,8 @@ class LocalServer(QObject):
         if self._thread is None:
             security = Security(HOST, settings.server_api_key or None)
             sock = bind(HOST, settings.server_port)
-            self._thread = ServerThread(create_app(self, self.admission, security), sock)
+            api = Api(self, self.admission, security)
+            self._thread = ServerThread(api.app, api.stop, sock)
             log.info("local server at %s", self._thread.url)
             self.running_changed.emit(True)
         return f"{self._thread.url}/v1"

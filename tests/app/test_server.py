@@ -9,6 +9,7 @@ import http.client
 import json
 import os
 import queue
+import signal
 import subprocess
 import sys
 import threading
@@ -436,3 +437,20 @@ def test_it_binds_loopback_by_default_and_says_so(tmp_path: Path) -> None:
         plain_client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
         done = plain_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4)
         assert done.model_extra["speculation"]["mode"] == "ngram"
+        with pytest.raises(openai.BadRequestError) as info:  # no draft model: no tree mode
+            plain_client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=4,
+                                            extra_body={"speculation": {"mode": "tree"}})
+        assert info.value.body["param"] == "speculation.mode"
+
+
+def test_ctrl_c_ends_open_streams_and_the_server() -> None:
+    with running_server("-n", "1000") as (address, proc):
+        client = openai.OpenAI(base_url=f"{address}/v1", api_key="none", max_retries=0)
+        stream = complete(client, PROMPT, stream=True,
+                          extra_body={"speculation": {"mode": "plain"}})
+        next(iter(stream))
+        proc.send_signal(signal.SIGINT)
+        with pytest.raises(openai.APIError, match="server is stopping"):
+            for _ in stream:
+                pass
+        assert proc.wait(30) == 0
