@@ -22,6 +22,7 @@ import openai
 import pytest
 
 from app.prompting import CODE
+from app.tools import load
 from speculative.stats import ORIGINS
 from speculative.text import find_stop
 
@@ -454,3 +455,15 @@ def test_ctrl_c_ends_open_streams_and_the_server() -> None:
             for _ in stream:
                 pass
         assert proc.wait(30) == 0
+
+
+def test_the_load_command_reports(capsys) -> None:
+    """``python -m app.tools.load``, as small as it goes (its figures are a report, not a
+    test)."""
+    assert load.main(["--clients", "1,2", "--requests", "2", "--repeats", "1",
+                      "--max-tokens", "8", "--threads", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "text identical to generate's" in out and "the server adds" in out
+    rows = [line.split() for line in out.splitlines() if line.strip()[:1].isdigit()]
+    assert [(r[0], r[1], r[2]) for r in rows] == [("1", "2", "0"), ("2", "2", "0")]
+
