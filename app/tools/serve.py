@@ -62,7 +62,8 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
                 with contextlib.suppress(KeyboardInterrupt):  # how it is meant to stop
                     # uvicorn stops on Ctrl+C, then raises it again for the caller
                     serve_forever(api.app, api.stop, sock, args.verbose)
-                out.write(f"Stopped after answering {admission.counts.answered} requests.\n")
+                n = admission.counts.answered
+                out.write(f"Stopped after answering {n} request{'s' if n != 1 else ''}.\n")
             finally:
                 engine_thread.close()
     finally:
