@@ -249,8 +249,10 @@ def parse(body: Any, endpoint: str, modes: tuple[str, ...]) -> GenerationRequest
             raise ApiError(400, f"Unrecognized request argument supplied: {key}", param=key)
     given = {k: v for k, v in body.items() if v is not None}
     model = given.get("model")
-    if not isinstance(model, str) or not model:
+    if model is None or model == "":
         raise bad_field("model", "the model to use is required (see GET /v1/models)")
+    if not isinstance(model, str):
+        raise bad_field("model", f"expected a string, got {_type_name(model)}")
     stream = boolean("stream", given.get("stream", False))
     usage, origin = False, False
     if "stream_options" in given:

@@ -46,6 +46,10 @@ def test_a_request_takes_what_it_sets_and_leaves_the_rest_to_the_server() -> Non
 
 @pytest.mark.parametrize(("body", "param"), [
     ({"prompt": "x"}, "model"),
+    ({"model": 4, "prompt": "x"}, "model"),
+    ({"model": "m", "prompt": "x", "stream": "yes"}, "stream"),
+    ({"model": "m", "prompt": "x", "stop": 5}, "stop"),
+    ({"model": "m", "prompt": "x", "seed": 1.5}, "seed"),
     ({"model": "m"}, "prompt"),
     ({"model": "m", "prompt": ""}, "prompt"),
     ({"model": "m", "prompt": ["a", "b"]}, "prompt"),
