@@ -60,7 +60,6 @@ class SettingsDialog(QDialog):
         self.server_port = _spin(0, 65535, "port of the Local server on 127.0.0.1 (0: any free "
                                            "port; the toolbar shows the address)")
         self.server_api_key = QLineEdit()
-        self.server_api_key.setEchoMode(QLineEdit.EchoMode.PasswordEchoOnEdit)
         self.server_api_key.setPlaceholderText("none")
         self.server_api_key.setToolTip("clients must send 'Authorization: Bearer KEY' (empty: "
                                        "no key; only this machine can connect either way)")

@@ -92,3 +92,14 @@ def test_a_port_in_use_is_reported_and_the_switch_goes_back_off(qtbot, window: M
         assert f"port {taken}" in window.banner.text()
         assert window.local_server.url is None
         assert window.server_label.text().strip() == "off"
+
+
+def test_the_port_and_key_are_settings(qtbot, window: MainWindow) -> None:
+    window.open_settings()
+    dialog = window.settings_dialog
+    assert dialog is not None and dialog.server_port.value() == 0
+    dialog.server_port.setValue(18080)
+    qtbot.keyClicks(dialog.server_api_key, "x")
+    assert (window.settings.server_port, window.settings.server_api_key) == (18080, "kx")
+    assert window.store.load().server_port == 18080
+    dialog.close()
