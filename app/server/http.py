@@ -23,7 +23,7 @@ import json
 import logging
 import socket
 import threading
-from collections.abc import AsyncIterator, Awaitable
+from collections.abc import AsyncIterator
 from typing import Any, Protocol
 
 from starlette.applications import Starlette
@@ -175,7 +175,6 @@ class Api:
         self.backend, self.admission, self.security = backend, admission, security
         self._jobs: set[Job] = set()  # admitted and not yet done with
         self._lock = threading.Lock()  # the engine's thread removes jobs from the set
-        self.stopping = False
         middleware = [Middleware(Guard, security=security)]
         if security.allowed_origins:
             middleware.append(Middleware(
@@ -188,7 +187,6 @@ class Api:
     def stop(self) -> None:
         """The server is stopping: every admitted job is cancelled (running ones at the
         engine's next step), so that open streams end instead of holding the shutdown."""
-        self.stopping = True
         with self._lock:
             jobs = list(self._jobs)
         for job in jobs:
@@ -270,7 +268,7 @@ class Api:
         with self._lock:
             self._jobs.add(job)
         self.backend.submit(job)
-        gone = asyncio.ensure_future(until_disconnected(request.receive))
+        gone = asyncio.create_task(until_disconnected(request.receive))
         try:
             first = await next_event(events, gone)
             if first is None:  # the client left while its job waited
@@ -301,10 +299,11 @@ class Api:
         else:
             assert isinstance(event, Finished)
             outcome = "cancelled" if event.finish == "cancelled" else "answered"
-            self.admission.leave(outcome, event.run.seconds + event.run.t_prefill)
+            ran = event.run.seconds + event.run.t_prefill if event.run.steps else None
+            self.admission.leave(outcome, ran)
 
 
-async def next_event(events: asyncio.Queue[Event], gone: Awaitable[None]) -> Event | None:
+async def next_event(events: asyncio.Queue[Event], gone: asyncio.Task[None]) -> Event | None:
     """The job's next event, or None if the client disconnected first."""
     get = asyncio.ensure_future(events.get())
     done, _ = await asyncio.wait({get, gone}, return_when=asyncio.FIRST_COMPLETED)
@@ -314,7 +313,7 @@ async def next_event(events: asyncio.Queue[Event], gone: Awaitable[None]) -> Eve
     return None
 
 
-async def whole(job: Job, events: asyncio.Queue[Event], gone: Awaitable[None],
+async def whole(job: Job, events: asyncio.Queue[Event], gone: asyncio.Task[None],
                 answer: Answer) -> Response:
     """Wait for the end of the job: the non-streamed response."""
     while True:
