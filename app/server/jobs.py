@@ -207,7 +207,8 @@ def _decode(job: Job, pair: ModelPair, engine: Engine) -> None:
     with contextlib.closing(generated):
         for step in generated:
             pieces = text.feed(step.tokens, step.origins, final=step.finish is not None)
-            if any(t for t, _ in pieces):
+            # a whole answer is sent at the end: no need to wake the HTTP side at every step
+            if job.request.stream and any(t for t, _ in pieces):
                 job.emit(Delta(pieces))
             if step.finish is not None or text.stopped:
                 finish = "stop" if text.stopped else step.finish

@@ -265,15 +265,18 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             # curves are measured once and shared by every engine
             engine = pair.engine(dataclasses.replace(spec, mode=mode))
             stream = out if not args.json and len(args.mode) == 1 else None
-            results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
+            results.append(run_generation(engine, vocab, prompt, args.max_tokens, params,
+                                          stream))
         if params.greedy:
             _explain(results, pair.target_ctx, prompt)
         _report(results, out, args.json, prompt_text=text)
     return 0
 
 
-def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
-         params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
+def run_generation(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
+                   params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
+    """One ``generate`` run: its text written to ``stream`` as it comes (if given), and
+    ``{mode, text, tokens, finish, stats}``."""
     run = RunStats()
     tokens: list[int] = []
     text = TextStream(vocab.piece)

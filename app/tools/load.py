@@ -2,10 +2,11 @@
 
 Starts ``staged-chat serve`` (the built-in pair unless told otherwise) on a free port, then:
 
-- one request at a time, non-streamed, against ``staged-chat generate`` on the same prompt,
-  mode and length: the client's latency, the engine time the server reports for it
-  (``speculation.time``: prefill and generation), and the difference, which is what the server
-  adds (HTTP, JSON, the handoff to the engine's thread); generate's own engine time beside it;
+- one request at a time, non-streamed, against ``staged-chat generate``'s loop
+  (``cli.run_generation``) on the same prompt, mode, length and threads, run in this process
+  on a warm engine as the server's is: what the server adds (HTTP, JSON, the handoffs between
+  threads) is its latency outside the engine's time less generate's wall time outside it;
+  and the ``staged-chat generate`` command itself, which loads the models for every prompt;
 - 1, 4 and 16 clients at once, each sending streamed requests with its own prompt: tokens/s
   over the whole run, request latency (median, 90th percentile, worst) and time to the first
   token, and how many were turned away (503).
@@ -32,6 +33,9 @@ import time
 from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
+
+from app.tools import cli
+from speculative.loading import open_pair
 
 ROOT = Path(__file__).resolve().parents[2]
 PROMPTS = [f"def {name}(items):\n    \"\"\"{doc}\"\"\"\n" for name, doc in [
@@ -148,34 +152,54 @@ def engine_seconds(speculation: dict[str, Any]) -> float:
     return speculation["time"]["prefill"] + speculation["seconds"]
 
 
-def generate_run(prompt: str, options: Sequence[str]) -> dict[str, Any]:
-    """``staged-chat generate --json`` on ``prompt`` in its own process, with the process's
-    wall time (``wall``: starting Python and loading the models included)."""
+def command_wall(prompt: str, options: Sequence[str]) -> float:
+    """Seconds the ``staged-chat generate`` command takes on ``prompt``, from starting Python
+    to its answer (loading the models and measuring their costs included)."""
     t0 = time.perf_counter()
-    done = subprocess.run([sys.executable, "-m", "app.tools.cli", "generate", "--json",
-                           "--prompt", prompt, *options], cwd=ROOT, env=_env(),
-                          capture_output=True, text=True, check=True, timeout=600)
-    return {**json.loads(done.stdout), "wall": time.perf_counter() - t0}
+    subprocess.run([sys.executable, "-m", "app.tools.cli", "generate", "--json", "--prompt",
+                    prompt, *options], cwd=ROOT, env=_env(), capture_output=True, check=True,
+                   timeout=600)
+    return time.perf_counter() - t0
+
+
+def generate_loop(prompt: str, options: Sequence[str], repeats: int) -> list[dict[str, Any]]:
+    """``staged-chat generate``'s loop on ``prompt``, ``repeats`` times on one warm engine
+    (after one untimed run), in this process: each run's result with its ``wall`` seconds."""
+    args = cli.build_parser().parse_args(["generate", *options])
+    target, draft, ngram = cli.resolve_models(args, args.mode)
+    spec, config = cli.engine_settings(args)
+    with open_pair(target, draft, config, ngram=ngram, ngram_optional=True) as pair:
+        engine = pair.engine(dataclasses.replace(spec, mode=args.mode[0]))
+        tokens = pair.target.vocab.tokenize(prompt)
+        runs = []
+        for _ in range(repeats + 1):
+            t0 = time.perf_counter()
+            run = cli.run_generation(engine, pair.target.vocab, tokens, args.max_tokens,
+                                     cli.sampling_params(args), None)
+            runs.append({**run, "wall": time.perf_counter() - t0})
+    return runs[1:]
 
 
 def one_request(address: str, body: dict[str, Any], gen_options: Sequence[str],
                 repeats: int) -> dict[str, Any]:
-    """Median figures of one request at a time through the server and through generate."""
+    """Median figures of one request at a time through the server and through generate's
+    loop; the generate command once."""
     served = [request(address, body) for _ in range(repeats)]
-    runs = [generate_run(body["prompt"], gen_options) for _ in range(repeats)]
-    gen_engine = [r["stats"]["time"]["prefill"] + r["stats"]["seconds"] for r in runs]
+    runs = generate_loop(body["prompt"], gen_options, repeats)
     return {
         "tokens": served[0].tokens,
         "same_text": all(s.text == r["text"] for s, r in zip(served, runs, strict=True)),
         "server_latency": statistics.median(s.latency for s in served),
         "server_engine": statistics.median(s.engine for s in served),
-        "server_adds": statistics.median(s.latency - s.engine for s in served),
-        "generate_engine": statistics.median(gen_engine),
         "generate_wall": statistics.median(r["wall"] for r in runs),
-        "generate_tokens_per_second": statistics.median(
-            r["stats"]["tokens_per_second"] for r in runs),
-        "server_tokens_per_second": statistics.median(s.tokens / s.engine for s in served
-                                                      if s.engine > 0),
+        "generate_engine": statistics.median(r["stats"]["time"]["prefill"]
+                                             + r["stats"]["seconds"] for r in runs),
+        # each side's time outside the engine's steps and prefill: the engines themselves,
+        # one per process, may learn and run at different speeds (auto)
+        "server_adds": (statistics.median(s.latency - s.engine for s in served)
+                        - statistics.median(r["wall"] - r["stats"]["time"]["prefill"]
+                                            - r["stats"]["seconds"] for r in runs)),
+        "command_wall": command_wall(body["prompt"], gen_options),
     }
 
 
@@ -227,13 +251,15 @@ def report(result: dict[str, Any]) -> str:
         "",
         f"one request at a time (median of {s['repeats']}, {one['tokens']} tokens, "
         f"text {'identical' if one['same_text'] else 'DIFFERENT'} to generate's):",
-        f"  staged-chat generate: engine {one['generate_engine'] * 1000:.0f} ms "
-        f"({one['generate_tokens_per_second']:.0f} tokens/s); the whole command "
-        f"{one['generate_wall']:.1f} s (Python, loading the models, measuring costs)",
-        f"  server: latency {one['server_latency'] * 1000:.0f} ms, of which engine "
-        f"{one['server_engine'] * 1000:.0f} ms ({one['server_tokens_per_second']:.0f} "
-        f"tokens/s); the server adds {one['server_adds'] * 1000:.1f} ms "
-        f"(HTTP, JSON, the handoff to the engine's thread)",
+        f"  generate's loop, warm engine: {one['generate_wall'] * 1000:.1f} ms "
+        f"(engine steps and prefill {one['generate_engine'] * 1000:.1f} ms)",
+        f"  server, non-streamed: latency {one['server_latency'] * 1000:.1f} ms (engine "
+        f"{one['server_engine'] * 1000:.1f} ms)",
+        f"  the server adds {one['server_adds'] * 1000:+.1f} ms (its time outside the engine "
+        f"less generate's: HTTP, JSON, handing the request to the engine's thread and the "
+        f"answer back)",
+        f"  the staged-chat generate command: {one['command_wall']:.1f} s (starting Python, "
+        f"loading the models: what a running server saves each request)",
         "",
         f"{'clients':>7}{'requests':>9}{'503':>5}{'tokens':>8}{'wall s':>8}{'tokens/s':>10}"
         f"{'latency p50':>12}{'p90':>7}{'max':>7}{'first token p50':>16}",
