@@ -85,6 +85,9 @@ class AppSettings:
     # display
     show_origins: bool = True         # colour each token by who proposed it
     theme: str = "system"             # "system", "light" or "dark"
+    # the Local server (OpenAI-compatible, on 127.0.0.1 only); switched on from the toolbar
+    server_port: int = 8080           # llama-server's, which local clients expect; 0: any free
+    server_api_key: str = ""          # "": none required (only this machine can connect)
 
     def spec(self) -> SpecConfig:
         budget = TreeBudget(self.max_nodes, self.max_depth, self.max_children)
@@ -141,7 +144,7 @@ class AppSettings:
             seed=max(self.seed, -1), threads=_clamp(self.threads, 0, 256),
             gpu_layers=_clamp(self.gpu_layers, -1, 1000),
             draft_gpu_layers=_clamp(self.draft_gpu_layers, -1, 1000),
-            n_ctx=_clamp(self.n_ctx, 64, 8192),
+            n_ctx=_clamp(self.n_ctx, 64, 8192), server_port=_clamp(self.server_port, 0, 65535),
             theme=self.theme if self.theme in ("system", "light", "dark") else "system")
 
 

@@ -146,6 +146,27 @@ def test_no_headless_tool_reaches_qt_through_its_imports() -> None:
     assert {m: c for m, c in chains.items() if c} == {}
 
 
+# ---------------------------------------------------------------- the server
+
+SERVER = ROOT / "app" / "server"
+
+
+def test_the_server_imports_no_qt_nor_the_window() -> None:
+    """``staged-chat serve`` runs without a window; the app hands the server its engine thread
+    through the server's ``Backend`` protocol, not the other way round."""
+    offenders = [f"{p.name}: {i.name}" for p in sorted(SERVER.rglob("*.py")) for i in imports(p)
+                 if i.name.split(".")[0] in QT or _within(i.name, WINDOW | OPENS_THE_WINDOW
+                                                          | {"app.settings", "app.tools"})]
+    assert offenders == []
+    chains = {m: reaches_qt(m) for m in _project_modules() if m.startswith("app.server")}
+    assert {m: c for m, c in chains.items() if c} == {}
+
+
+def test_the_server_uses_the_engines_public_face() -> None:
+    """Requests run on ``Engine`` and ``open_pair`` only: llama.cpp stays behind the backend."""
+    assert gui_offenders(sorted(SERVER.rglob("*.py")), PUBLIC) == []
+
+
 # ---------------------------------------------------------------- the GUI and the engine
 
 # the engine's public face: what the window and its worker may import from ``speculative``

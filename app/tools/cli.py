@@ -51,7 +51,8 @@ _BUDGET, _SPEC = TreeBudget(), SpecConfig()
 
 
 def _common() -> argparse.ArgumentParser:
-    """Options shared by ``generate`` and ``bench``: models, mode, sampling, tree budget."""
+    """Options shared by ``generate``, ``bench`` and ``serve``: models, sampling, tree budget,
+    contexts and threads."""
     common = argparse.ArgumentParser(add_help=False)
     common.add_argument("--target", type=Path, help="target GGUF (default: the built-in one)")
     common.add_argument("--draft", type=Path, help="draft GGUF (default: the built-in one)")
@@ -139,9 +140,33 @@ def build_parser() -> argparse.ArgumentParser:
     bench.add_argument("--mode", type=_modes, default=Mode.selectable(),
                        help="modes to compare with plain (default: all)")
     add_bench_arguments(bench)
+    serve = sub.add_parser("serve", parents=[common],
+                           help="serve the models over a local OpenAI-compatible HTTP API")
+    _serve_arguments(serve)
     gui = sub.add_parser("app", help="open the desktop app (the default without a command)")
     _app_arguments(gui)
     return parser
+
+
+def _serve_arguments(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--mode", choices=[m.value for m in Mode.selectable()],
+                        default=Mode.AUTO.value,
+                        help="speculation mode of requests that do not name one (default auto)")
+    parser.add_argument("--host", default="127.0.0.1",
+                        help="address to listen on (default 127.0.0.1: this machine only; "
+                             "0.0.0.0 lets other machines connect)")
+    parser.add_argument("--port", type=int, default=8080, help="0: any free port")
+    parser.add_argument("--api-key", help="require 'Authorization: Bearer KEY' on /v1 routes")
+    parser.add_argument("--allow-origin", action="append", default=[], metavar="ORIGIN",
+                        help="let web pages from this origin (e.g. http://localhost:3000) call "
+                             "the server, with CORS headers; repeatable (default: none)")
+    parser.add_argument("--queue", type=int, default=32,
+                        help="requests waiting or running at most; more get 503 (default 32)")
+    parser.add_argument("--chat-format", choices=["code", "transcript"],
+                        help="how chat messages become a prompt (default: code for the "
+                             "built-in pair, transcript for other models)")
+    # a fresh draw per request unless --seed or the request's seed says otherwise
+    parser.set_defaults(seed=None)
 
 
 def _app_arguments(parser: argparse.ArgumentParser) -> None:
@@ -180,6 +205,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         return run_app(args)
     try:
+        if args.command == "serve":
+            from app.tools.serve import serve  # the HTTP stack, for this command only
+
+            return serve(args, sys.stdout)
         return generate(args, sys.stdout)
     except (LlamaError, IncompatibleModels, ContextOverflow, ValueError, OSError) as exc:
         # OSError covers missing files, including a missing built-in model
@@ -190,9 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 130
 
 
-def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
-    """The models to run: those given, else the built-in pair and n-gram model."""
-    needs_draft = any(m.needs_draft or m is Mode.AUTO for m in args.mode)  # auto uses one
+def resolve_models(args: argparse.Namespace,
+                   modes: Sequence[Mode]) -> tuple[Path, Path | None, Path | None]:
+    """The models to run ``modes`` on: those given, else the built-in pair and n-gram model."""
+    needs_draft = any(m.needs_draft or m is Mode.AUTO for m in modes)  # auto uses one
     if args.target is None or (needs_draft and args.draft is None):
         builtin_target, builtin_draft = builtin_pair()
     target = args.target or builtin_target
@@ -201,14 +231,20 @@ def _resolve(args: argparse.Namespace) -> tuple[Path, Path | None, Path | None]:
     return target, draft, ngram
 
 
-def generate(args: argparse.Namespace, out: TextIO) -> int:
-    target, draft, ngram_path = _resolve(args)
+def engine_settings(args: argparse.Namespace) -> tuple[SpecConfig, ContextConfig]:
+    """The speculation the options ask for (mode auto), and contexts big enough for it."""
     budget = TreeBudget(args.max_nodes, args.max_depth, args.max_children)
     spec = SpecConfig(tree=budget, chain_length=args.chain_length, lookahead=args.lookahead,
                       adaptive=not args.fixed_size)
     batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
                            n_threads=args.threads, flash_attn=args.flash_attn)
+    return spec, config
+
+
+def generate(args: argparse.Namespace, out: TextIO) -> int:
+    target, draft, ngram_path = resolve_models(args, args.mode)
+    spec, config = engine_settings(args)
     # unset sampler options: the defaults of the format the app would chat in with these
     # models (code for the built-in pair)
     params = sampling_params(args, format_for(args.target is None).sampler)
@@ -227,15 +263,18 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             # curves are measured once and shared by every engine
             engine = pair.engine(dataclasses.replace(spec, mode=mode))
             stream = out if not args.json and len(args.mode) == 1 else None
-            results.append(_run(engine, vocab, prompt, args.max_tokens, params, stream))
+            results.append(run_generation(engine, vocab, prompt, args.max_tokens, params,
+                                          stream))
         if params.greedy:
             _explain(results, pair.target_ctx, prompt)
         _report(results, out, args.json, prompt_text=text)
     return 0
 
 
-def _run(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
-         params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
+def run_generation(engine: Engine, vocab: Any, prompt: list[int], max_tokens: int,
+                   params: SamplingParams, stream: TextIO | None) -> dict[str, Any]:
+    """One ``generate`` run: its text written to ``stream`` as it comes (if given), and
+    ``{mode, text, tokens, finish, stats}``."""
     run = RunStats()
     tokens: list[int] = []
     text = TextStream(vocab.piece)

@@ -49,6 +49,7 @@ from app.settings import (
 from app.ui.about import about_text
 from app.ui.chat_view import ChatView, shown
 from app.ui.conversations import ConversationListModel, ConversationPanel
+from app.ui.local_server import LocalServer
 from app.ui.models_dialog import Downloads, ModelsDialog
 from app.ui.race import RaceWindow
 from app.ui.reply_flow import Pending, ReplyController
@@ -80,6 +81,7 @@ class MainWindow(QMainWindow):
         self.store, self.history = store, history
         self.settings = store.load()
         self.controller = controller or EngineController(self)
+        self.local_server = LocalServer(self.controller, self)
         self.downloads = Downloads(self)
         self.info: ModelInfo | None = None
         self.conversation: Conversation | None = None
@@ -246,6 +248,17 @@ class MainWindow(QMainWindow):
         bar.addSeparator()
         self.model_label = QLabel(" models: loading…")
         bar.addWidget(self.model_label)
+        bar.addSeparator()
+        self.server_action = QAction("Local server", self)
+        self.server_action.setCheckable(True)
+        self.server_action.setToolTip(
+            "Serve the loaded models to other programs on this machine through an "
+            "OpenAI-compatible API (port and API key in Settings); their requests and this "
+            "window's chats take turns")
+        bar.addAction(self.server_action)
+        self.server_label = QLabel()
+        bar.addWidget(self.server_label)
+        self._show_server()
         self.status = QLabel()
         self.statusBar().addWidget(self.status, 1)
         self._menus()
@@ -278,6 +291,7 @@ class MainWindow(QMainWindow):
         m = self.menuBar().addMenu("&Settings")
         action(m, "Settings…", self.open_settings, QKeySequence.StandardKey.Preferences)
         action(m, "Models…", self.open_models, "Ctrl+M")
+        m.addAction(self.server_action)
         self.origins_action = action(m, "Colour tokens by origin", self._toggle_origins)
         self.origins_action.setCheckable(True)
         self.origins_action.setChecked(self.settings.show_origins)
@@ -312,6 +326,8 @@ class MainWindow(QMainWindow):
         self.conversations.search_changed.connect(lambda _q: self._reload_list())
         self.conversations.export_requested.connect(self.export)
         self.list_model.renamed.connect(self._rename)
+        self.server_action.toggled.connect(self._server_toggled)
+        self.local_server.counts_changed.connect(lambda _counts: self._show_server())
 
     # ------------------------------------------------------------------ conversations
     def _reload_list(self) -> None:
@@ -438,6 +454,7 @@ class MainWindow(QMainWindow):
     # ------------------------------------------------------------------ models
     def _loaded(self, info: ModelInfo) -> None:
         self.info = info
+        self.local_server.update(info, self.settings)
         draft = info.draft or "none"
         self.model_label.setText(f" target: {info.target} · draft: {draft} · "
                                  f"{info.n_ctx}-token window · {info.threads} "
@@ -483,6 +500,7 @@ class MainWindow(QMainWindow):
             self.info = None
             self.model_label.setText(" models: loading… ")
             self.controller.load(self.settings)
+        self.local_server.update(self.info, self.settings)
 
     def _scheme_changed(self, _scheme: object) -> None:
         if self.settings.theme == "system":
@@ -553,6 +571,29 @@ class MainWindow(QMainWindow):
         self.apply_settings(dataclasses.replace(self.settings, target_path=target,
                                                 draft_path=draft, mode=mode))
 
+    # ------------------------------------------------------------------ local server
+    def _server_toggled(self, on: bool) -> None:
+        if on == self.local_server.running:
+            return
+        if on:
+            try:
+                self.local_server.start(self.settings)
+            except OSError as exc:
+                self.banner.show_message(f"Could not start the local server on port "
+                                         f"{self.settings.server_port}: {exc}")
+                self.server_action.setChecked(False)
+        else:
+            self.local_server.stop()
+        self._show_server()
+
+    def _show_server(self) -> None:
+        url = self.local_server.url
+        if url is None:
+            self.server_label.setText(" off ")
+            return
+        n = self.local_server.counts().answered
+        self.server_label.setText(f" {url} · {n} request{'s' if n != 1 else ''} answered ")
+
     def about(self) -> None:
         QMessageBox.about(self, "About Staged Chat", about_text(self.info))
 
@@ -576,6 +617,7 @@ class MainWindow(QMainWindow):
     def closeEvent(self, event: QCloseEvent) -> None:
         self.store.set_value("window/geometry", self.saveGeometry())
         self._frame.stop()
+        self.local_server.stop()  # its requests are cancelled before the engine's thread ends
         self.controller.stop()
         self.controller.shutdown()
         self.downloads.shutdown()

@@ -16,6 +16,7 @@ from PySide6.QtWidgets import (
     QFormLayout,
     QGroupBox,
     QLabel,
+    QLineEdit,
     QSpinBox,
     QVBoxLayout,
     QWidget,
@@ -85,6 +86,12 @@ class SettingsDialog(QDialog):
         self.gpu_layers = _spin(-1, 1000, "target layers on a GPU (-1: all; 0: CPU only). Needs "
                                           "llama-cpp-python built with a GPU backend")
         self.draft_gpu_layers = _spin(-1, 1000, "draft layers on a GPU (-1: all; 0: CPU only)")
+        self.server_port = _spin(0, 65535, "port of the Local server on 127.0.0.1 (0: any free "
+                                           "port; the toolbar shows the address)")
+        self.server_api_key = QLineEdit()
+        self.server_api_key.setPlaceholderText("none")
+        self.server_api_key.setToolTip("clients must send 'Authorization: Bearer KEY' (empty: "
+                                       "no key; only this machine can connect either way)")
         self.theme = QComboBox()
         for value, label in (("system", "Follow the system"), ("light", "Light"),
                              ("dark", "Dark")):
@@ -123,6 +130,10 @@ class SettingsDialog(QDialog):
         form.addRow("Context size", self.n_ctx)
         form.addRow("GPU layers (target)", self.gpu_layers)
         form.addRow("GPU layers (draft)", self.draft_gpu_layers)
+        server = QGroupBox("Local server (applies when it is next switched on)")
+        form = QFormLayout(server)
+        form.addRow("Port", self.server_port)
+        form.addRow("API key", self.server_api_key)
         look = QGroupBox("Appearance")
         form = QFormLayout(look)
         form.addRow("Theme", self.theme)
@@ -136,14 +147,15 @@ class SettingsDialog(QDialog):
         buttons.button(QDialogButtonBox.StandardButton.RestoreDefaults).clicked.connect(
             self._defaults)
         layout = QVBoxLayout(self)
-        for w in (spec, sampling, repetition, perf, look, note, buttons):
+        for w in (spec, sampling, repetition, perf, server, look, note, buttons):
             layout.addWidget(w)
         self.set_settings(settings)
         for w in (self.max_nodes, self.max_depth, self.max_children, self.chain_length,
                   self.lookahead, self.top_k, self.max_tokens, self.seed, self.threads,
                   self.n_ctx, self.gpu_layers, self.draft_gpu_layers, self.repeat_last_n,
-                  self.dry_allowed_length):
+                  self.dry_allowed_length, self.server_port):
             w.valueChanged.connect(self._edited)
+        self.server_api_key.textEdited.connect(self._edited)
         for w in (self.temperature, self.top_p, *self._sampler_doubles()):
             w.valueChanged.connect(self._edited)
         self.repetition.currentIndexChanged.connect(self._edited)
@@ -159,9 +171,10 @@ class SettingsDialog(QDialog):
         self.mode.setCurrentIndex(max(0, self.mode.findData(s.mode)))
         for name in ("max_nodes", "max_depth", "max_children", "chain_length", "lookahead",
                      "top_k", "max_tokens", "seed", "threads", "n_ctx", "temperature",
-                     "top_p", "gpu_layers", "draft_gpu_layers", *_SAMPLER):
+                     "top_p", "gpu_layers", "draft_gpu_layers", "server_port", *_SAMPLER):
             getattr(self, name).setValue(getattr(s, name))
         self.repetition.setCurrentIndex(max(0, self.repetition.findData(s.repetition)))
+        self.server_api_key.setText(s.server_api_key)
         self.adaptive.setChecked(s.adaptive)
         self.theme.setCurrentIndex(max(0, self.theme.findData(s.theme)))
         self._update_enabled()
@@ -177,6 +190,7 @@ class SettingsDialog(QDialog):
             max_tokens=self.max_tokens.value(), seed=self.seed.value(),
             threads=self.threads.value(), n_ctx=self.n_ctx.value(),
             gpu_layers=self.gpu_layers.value(), draft_gpu_layers=self.draft_gpu_layers.value(),
+            server_port=self.server_port.value(), server_api_key=self.server_api_key.text(),
             theme=self.theme.currentData(), repetition=self.repetition.currentData(),
             **{name: getattr(self, name).value() for name in _SAMPLER}).validated()
 

@@ -8,6 +8,9 @@ queued, is stopped, and the engine checks it between steps. Settings that change
 mid-generation are handed over under a lock and applied between steps. Every failure becomes a
 signal with a reason; nothing propagates into Qt.
 
+The Local server's requests (``app.server.jobs.Job``) are queued to the same worker, so they
+and the window's replies take turns on the one engine, in the order they arrive.
+
 ``EngineController`` lives on the GUI thread: it owns the thread and offers plain methods.
 """
 
@@ -20,6 +23,8 @@ from collections.abc import Callable
 
 from PySide6.QtCore import QObject, QThread, Signal, Slot
 
+from app.server.errors import ApiError
+from app.server.jobs import Job, run_job
 from app.settings import AppSettings
 from app.worker import loading, racing
 from app.worker.messages import ChatRequest, ModelInfo, ReplyFailed, ReplyStarted
@@ -128,6 +133,24 @@ class EngineWorker(QObject):
                 self._engine.config = self._settings.spec()
             self.status.emit("Ready" if self._engine is not None else "No model loaded")
 
+    @Slot(object)
+    def serve(self, job: Job) -> None:
+        """A request from the Local server, on the models the window has loaded."""
+        if self._pair is None or self._engine is None or self._info is None:
+            job.fail(ApiError(503, "no model is loaded yet; try again shortly",
+                              kind="server_error", headers={"Retry-After": "5"}))
+            return
+        if job.card.name != self._info.target:  # the window switched models since
+            job.fail(ApiError(503, f"the window has loaded {self._info.target!r} instead of "
+                                   f"{job.card.name!r}; try again", kind="server_error",
+                              headers={"Retry-After": "1"}))
+            return
+        self.status.emit("Answering a request to the local server…")
+        try:
+            run_job(job, self._pair, self._engine)  # every failure becomes the job's event
+        finally:
+            self.status.emit("Ready")
+
     @Slot(str, object)
     def check_drafts(self, target: str, drafts: list[str]) -> None:
         self.compatible.emit(target, loading.check_drafts(target, drafts))
@@ -182,6 +205,7 @@ class EngineController(QObject):
     _generate = Signal(object)
     _race = Signal(object)
     _check = Signal(str, object)
+    _serve = Signal(object)
     _shutdown = Signal()
 
     def __init__(self, parent: QObject | None = None) -> None:
@@ -194,6 +218,7 @@ class EngineController(QObject):
         self._generate.connect(self.worker.generate)
         self._race.connect(self.worker.race)
         self._check.connect(self.worker.check_drafts)
+        self._serve.connect(self.worker.serve)
         self._shutdown.connect(self.worker.shutdown)
         self.thread.start()
         self._next_id = 0
@@ -213,6 +238,11 @@ class EngineController(QObject):
 
     def check_drafts(self, target: str, drafts: list[str]) -> None:
         self._check.emit(target, drafts)
+
+    def serve(self, job: Job) -> None:
+        """Queue a Local server request behind what the worker has been asked so far. Called
+        on the server's thread: the signal crosses to the worker's as a queued call."""
+        self._serve.emit(job)
 
     def stop(self) -> None:
         """Stop every request sent so far, running or still queued."""
