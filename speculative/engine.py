@@ -141,6 +141,7 @@ class Engine:
             self.measure_cost()
         if self.planner is not None:
             self.planner.new_text(params.greedy)
+        self._penalties(params, committed)  # the vocabulary's breakers, scanned once, untimed
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self.config.mode.needs_draft:

@@ -121,6 +121,12 @@ def sampling_params(args: argparse.Namespace,
                                top_p=args.top_p, seed=args.seed, **given)
 
 
+def generation_params(args: argparse.Namespace) -> SamplingParams:
+    """``generate``'s sampling: unset sampler options take the defaults of the prompt format
+    the app would chat in with these models (code for the built-in pair)."""
+    return sampling_params(args, format_for(args.target is None).sampler)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="staged-chat", description=__doc__)
     parser.add_argument("-v", "--verbose", action="store_true", help="log what happens")
@@ -245,9 +251,7 @@ def engine_settings(args: argparse.Namespace) -> tuple[SpecConfig, ContextConfig
 def generate(args: argparse.Namespace, out: TextIO) -> int:
     target, draft, ngram_path = resolve_models(args, args.mode)
     spec, config = engine_settings(args)
-    # unset sampler options: the defaults of the format the app would chat in with these
-    # models (code for the built-in pair)
-    params = sampling_params(args, format_for(args.target is None).sampler)
+    params = generation_params(args)
     if args.command == "bench":
         return bench(args, target, draft, ngram_path, spec, config, params, out)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),

@@ -175,7 +175,7 @@ def generate_loop(prompt: str, options: Sequence[str], repeats: int) -> list[dic
         for _ in range(repeats + 1):
             t0 = time.perf_counter()
             run = cli.run_generation(engine, pair.target.vocab, tokens, args.max_tokens,
-                                     cli.sampling_params(args), None)
+                                     cli.generation_params(args), None)
             runs.append({**run, "wall": time.perf_counter() - t0})
     return runs[1:]
 
