@@ -42,6 +42,12 @@ def test_a_request_takes_what_it_sets_and_leaves_the_rest_to_the_server() -> Non
     assert chat.messages == (("system", "Be brief."), ("user", "ab"))
     assert chat.max_tokens == 5
     assert parse({"model": "m", "prompt": [[1, 2, 3]]}, "completions", MODES).prompt == (1, 2, 3)
+    penalties = parse({"model": "m", "prompt": "x", "presence_penalty": 0.5, "min_p": 0.1,
+                       "repeat_penalty": 1.1, "dry_multiplier": 0.8, "dry_allowed_length": 3},
+                      "completions", MODES)
+    assert dict(penalties.sampling) == {"presence_penalty": 0.5, "min_p": 0.1,
+                                        "repeat_penalty": 1.1, "dry_multiplier": 0.8,
+                                        "dry_allowed_length": 3}
 
 
 @pytest.mark.parametrize(("body", "param"), [
@@ -61,6 +67,8 @@ def test_a_request_takes_what_it_sets_and_leaves_the_rest_to_the_server() -> Non
     ({"model": "m", "prompt": "x", "stop": ["a", "b", "c", "d", "e"]}, "stop"),
     ({"model": "m", "prompt": "x", "stop": [""]}, "stop"),
     ({"model": "m", "prompt": "x", "n": 3}, "n"),
+    ({"model": "m", "prompt": "x", "repeat_penalty": 0}, "repeat_penalty"),
+    ({"model": "m", "prompt": "x", "dry_allowed_length": 0.5}, "dry_allowed_length"),
     ({"model": "m", "prompt": "x", "best_of": 2}, "best_of"),
     ({"model": "m", "prompt": "x", "logit_bias": {"1": 5}}, "logit_bias"),
     ({"model": "m", "prompt": "x", "suffix": "end"}, "suffix"),
