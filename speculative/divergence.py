@@ -44,6 +44,7 @@ from collections.abc import Iterator, Sequence
 import numpy as np
 
 from .kvtree import COMMIT, KVTree
+from .penalties import Penalizer
 from .protocols import Context
 
 
@@ -83,16 +84,21 @@ def first_difference(a: Sequence[int], b: Sequence[int]) -> int | None:
 
 
 def explain(ctx: Context, prompt: Sequence[int], reference: Sequence[int],
-            other: Sequence[int]) -> Divergence | None:
+            other: Sequence[int], penalizer: Penalizer | None = None) -> Divergence | None:
     """Compare ``other`` with ``reference`` (both continuations of ``prompt``, greedy, by the
-    model of ``ctx``); None when they agree up to the shorter one's end. Clears ``ctx``."""
+    model of ``ctx``); None when they agree up to the shorter one's end. ``penalizer``: the
+    repetition control both ran with (the margins are read off the penalised logits, which
+    are what each run compared). Clears ``ctx``."""
     i = first_difference(reference, other)
     if i is None or i >= len(reference) or i >= len(other):
         return None
     a, b = reference[i], other[i]
     text = [*prompt, *reference[:i]]
+    penalties = penalizer.step(text) if penalizer is not None else None
     margins = {}
     for name, rows in _shapes(ctx, len(prompt), text, (a, b)):
+        if penalties is not None:
+            rows = penalties.apply(rows, ())
         margins[name] = float(rows[a] - rows[b])
     values = list(margins.values())
     flips = min(values) <= 0 <= max(values)

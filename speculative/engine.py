@@ -23,7 +23,7 @@ from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
-from .penalties import Penalizer, StepPenalties
+from .penalties import Penalizer, StepPenalties, penalizer_for
 from .plan import Calibrations, StepPlan
 from .policies import (
     Mode,
@@ -204,10 +204,9 @@ class Engine:
             return None
         penalizer = self._penalizer
         if penalizer is None or penalizer.params != params:
-            breakers: frozenset[int] = frozenset()
-            if params.dry_multiplier > 0 and self._breakers is not None:
-                breakers = self._breakers(params.dry_breakers)
-            penalizer = self._penalizer = Penalizer(params, breakers, self.target.ctx.n_vocab)
+            penalizer = penalizer_for(params, self.target.ctx.n_vocab, self._breakers)
+            assert penalizer is not None
+            self._penalizer = penalizer
         return penalizer.step(committed)
 
     def _step(self, committed: list[int], config: SpecConfig, params: SamplingParams,

@@ -176,6 +176,19 @@ def _lookup(tokens: np.ndarray, table: np.ndarray) -> tuple[np.ndarray, np.ndarr
     return np.flatnonzero(hit), where[hit]
 
 
+def penalizer_for(params: SamplingParams, n_vocab: int,
+                  breakers_of: Callable[[Sequence[str]], frozenset[int]] | None = None
+                  ) -> Penalizer | None:
+    """The params' penalties over a vocabulary of ``n_vocab`` tokens, None when none is on;
+    ``breakers_of``: the tokens containing given strings (``Vocabulary.tokens_containing``)."""
+    if not params.penalized:
+        return None
+    breakers: frozenset[int] = frozenset()
+    if params.dry_multiplier > 0 and breakers_of is not None:
+        breakers = breakers_of(params.dry_breakers)
+    return Penalizer(params, breakers, n_vocab)
+
+
 def breaker_tokens(breakers: Sequence[str], n_vocab: int,
                    piece: Callable[[int], bytes]) -> frozenset[int]:
     """Tokens whose text contains one of the ``breakers`` (DRY's sequence breakers)."""

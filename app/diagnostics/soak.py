@@ -36,13 +36,14 @@ from typing import Any
 from PySide6.QtCore import QEventLoop, QTimer, SignalInstance
 
 from app.main import create_app, open_window
-from app.prompting import chat_prompt
+from app.prompting import FORMATS, chat_prompt
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
 from models.catalog import builtin_pair
 from speculative import backend
 from speculative.backend import LlamaContext, LlamaModel
 from speculative.divergence import explain
+from speculative.penalties import penalizer_for
 from speculative.policies import Mode
 
 log = logging.getLogger(__name__)
@@ -265,7 +266,11 @@ class Soak:
             self.report.identical += 1
             return
         models = "pair" if self.with_draft else "target alone"
-        why = explain(self.referee, self._prompt(key), plain, tokens)
+        (_, fmt), *_ = key
+        vocab = self.referee.model.vocab
+        params = self.window.chat_settings().sampling(0, FORMATS[fmt])
+        why = explain(self.referee, self._prompt(key), plain, tokens,
+                      penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
         if why is None:  # one is a prefix of the other: a stop string cut it elsewhere
             at, tie, text = min(len(tokens), len(plain)), False, "one reply ends early"
         else:

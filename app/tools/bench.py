@@ -49,6 +49,7 @@ from speculative.divergence import explain
 from speculative.engine import Learned
 from speculative.loading import ModelPair, open_pair
 from speculative.oracle import OracleDrafter
+from speculative.penalties import penalizer_for
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
 from speculative.stats import RunStats
@@ -96,6 +97,7 @@ class Cell:
     outputs: dict[str, list[list[list[int]]]]  # mode -> repeat -> prompt tokens
     texts: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     prompts: list[list[int]] = dataclasses.field(default_factory=list)  # tokens, by prompt
+    params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
 
 
 def _prompt_sets(arg: str) -> dict[str, list[str]]:
@@ -160,7 +162,7 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
     greedy = params.greedy
     order = [Mode.PLAIN, *modes] + ([Mode.ORACLE] if greedy and not args.no_ceiling else [])
     cell = Cell(sampling, set_name, {m.value: [] for m in order},
-                {m.value: [] for m in order})
+                {m.value: [] for m in order}, params=params)
     tokens = cell.prompts = [vocab.tokenize(p) for p in prompts]
     answers: dict[int, list[int]] = {}
     # what each mode's engine learned (auto's planner, the drafters' calibrations) lives across
@@ -216,6 +218,8 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
     from models.evaluate import judge
 
     greedy = not cell.sampling.startswith("sampled")
+    vocab = pair.target.vocab
+    penalizer = penalizer_for(cell.params, vocab.n_vocab, vocab.tokens_containing)
     plain_speed = [_pooled(rs).tokens_per_second for rs in cell.runs["plain"]]
     modes: dict[str, Any] = {}
     for mode, repeats in cell.runs.items():
@@ -229,7 +233,7 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
                 if o == p:
                     same += 1
                 elif greedy:  # a tie of the target's own logits, or not
-                    why = explain(pair.target_ctx, prompt, p, o)
+                    why = explain(pair.target_ctx, prompt, p, o, penalizer)
                     ties += why is not None and why.tie
         total = sum(len(outs) for outs in cell.outputs[mode])
         degenerate = sum(judge("", toks, pair.target.vocab.detokenize(toks)).degenerate

@@ -23,6 +23,7 @@ from speculative.drafting import TreeBudget
 from speculative.engine import Engine
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import open_pair
+from speculative.penalties import Penalizer, penalizer_for
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SAMPLER_FIELDS, SamplingParams
 from speculative.stats import RunStats
@@ -270,7 +271,8 @@ def generate(args: argparse.Namespace, out: TextIO) -> int:
             results.append(run_generation(engine, vocab, prompt, args.max_tokens, params,
                                           stream))
         if params.greedy:
-            _explain(results, pair.target_ctx, prompt)
+            _explain(results, pair.target_ctx, prompt,
+                     penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
         _report(results, out, args.json, prompt_text=text)
     return 0
 
@@ -299,14 +301,15 @@ def run_generation(engine: Engine, vocab: Any, prompt: list[int], max_tokens: in
             "tokens": tokens, "finish": finish or "length", "stats": run.summary()}
 
 
-def _explain(results: list[dict[str, Any]], ctx: Any, prompt: list[int]) -> None:
+def _explain(results: list[dict[str, Any]], ctx: Any, prompt: list[int],
+             penalizer: Penalizer | None = None) -> None:
     """Where a greedy run parts from plain's, whether batch-shape rounding explains it
     (``speculative.divergence``)."""
     plain = next((r for r in results if r["mode"] == "plain"), None)
     if plain is None:
         return
     for r in results:
-        d = explain(ctx, prompt, plain["tokens"], r["tokens"])
+        d = explain(ctx, prompt, plain["tokens"], r["tokens"], penalizer)
         if d is not None:
             r["divergence"] = {"index": d.index, "plain": d.a, "this": d.b,
                                "margins": d.margins, "tie": d.tie}

@@ -13,11 +13,13 @@ import contextlib
 import dataclasses
 from collections.abc import Callable, Iterator
 
+from app.prompting import FORMATS
 from app.worker.messages import ChatRequest, RaceResult, RaceRun
 from app.worker.replying import LiveSettings, prompt_for, steps
 from speculative.divergence import explain
 from speculative.engine import Engine, Step
 from speculative.loading import ModelPair
+from speculative.penalties import penalizer_for
 from speculative.policies import Mode
 from speculative.stats import RunStats
 from speculative.text import TextStream
@@ -47,9 +49,11 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
     finally:
         engine.config = request.settings.spec()
     why = None
-    greedy = request.settings.sampling(request.seed).greedy
-    if greedy and runs[0].tokens != runs[1].tokens:
-        why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens)
+    params = request.settings.sampling(request.seed, FORMATS[request.format])
+    if params.greedy and runs[0].tokens != runs[1].tokens:
+        vocab = pair.target.vocab
+        why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
+                      penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
         engine.target.reset()  # the replays used its cache
     return RaceResult(request.request_id, *runs, why, request.settings.temperature)
 

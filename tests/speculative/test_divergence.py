@@ -10,7 +10,9 @@ import pytest
 from speculative.backend import ContextConfig, LlamaContext, LlamaModel
 from speculative.divergence import AS_PLAIN, explain, first_difference
 from speculative.engine import Engine
+from speculative.penalties import Penalizer
 from speculative.policies import Mode, SpecConfig
+from speculative.sampling import SamplingParams
 from tests.fakes import FakeContext, logit_table, plain_greedy, table_logits
 
 V = 12
@@ -43,6 +45,23 @@ def test_a_token_the_target_never_prefers_is_an_error() -> None:
     assert not d.tie and d.spread == pytest.approx(0.0, abs=1e-4)
     assert d.margins[AS_PLAIN] == pytest.approx(row[ref[5]] - row[wrong], abs=1e-4)
     assert "NOT a tie" in d.describe()
+
+
+def test_with_penalties_the_margins_are_the_penalised_logits() -> None:
+    """A run with repetition control compared the penalised logits: so does the explanation
+    (a gap the penalties closed is a tie of the logits the run saw, not of the raw ones)."""
+    prompt = [4, 7, 4, 7, 4]
+    ref = plain_greedy(TABLE, prompt, 8)
+    row = table_logits(TABLE, [*prompt, *ref[:3]])
+    wrong = int(np.argsort(row)[-2])
+    other = [*ref[:3], wrong, *ref[4:]]
+    params = SamplingParams(repeat_penalty=1.5, dry_multiplier=2.0, dry_allowed_length=1)
+    penalizer = Penalizer(params, n_vocab=V)
+    d = explain(FakeContext(TABLE), prompt, ref, other, penalizer)
+    penalised = penalizer.step([*prompt, *ref[:3]]).apply(row, ())
+    assert d is not None and d.index == 3
+    assert d.margins[AS_PLAIN] == pytest.approx(penalised[ref[3]] - penalised[wrong], abs=1e-4)
+    assert d.margins[AS_PLAIN] != pytest.approx(row[ref[3]] - row[wrong], abs=1e-3)
 
 
 @pytest.fixture(scope="module")
