@@ -171,7 +171,7 @@ def test_the_server_uses_the_engines_public_face() -> None:
 
 # the engine's public face: what the window and its worker may import from ``speculative``
 PUBLIC = {f"speculative.{m}" for m in ("engine", "policies", "stats", "loading", "errors",
-                                       "text", "sampling", "divergence")}
+                                       "text", "sampling", "penalties", "divergence")}
 WORKER_ONLY = {"speculative.backend"}  # llama.cpp's system information, vocabulary-only loads
 
 
