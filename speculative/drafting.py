@@ -416,7 +416,10 @@ def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: Samplin
                   rng: np.random.Generator | None, drafter: Drafter,
                   q: dict[int, np.ndarray], penalties: StepPenalties | None = None) -> None:
     """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
-    complete = isinstance(logits, Children) and logits.probs.sum() >= 1.0 - 1e-9
+    # sampled children from a drafter's best tokens: did they cover every token with any
+    # probability (read before the penalties change the probabilities)
+    complete = (isinstance(logits, Children) and not params.greedy
+                and logits.probs.sum() >= 1.0 - 1e-9)
     if penalties is not None:
         logits = _penalised(logits, penalties, tree.path(u))
     if isinstance(logits, Children) and params.greedy:

@@ -141,7 +141,7 @@ class Engine:
             self.measure_cost()
         if self.planner is not None:
             self.planner.new_text(params.greedy)
-        self._penalties(params, committed)  # the vocabulary's breakers, scanned once, untimed
+        self._penalizer_for(params)  # the vocabulary's breakers, scanned once, untimed
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
         if self.config.mode.needs_draft:
@@ -198,16 +198,16 @@ class Engine:
                                     else TreePolicy(self.res, mode))
         return self._policies[mode]
 
+    def _penalizer_for(self, params: SamplingParams) -> Penalizer | None:
+        """The params' penalties (None when none is on), kept while the params stay."""
+        if self._penalizer is None or self._penalizer.params != params:
+            self._penalizer = penalizer_for(params, self.target.ctx.n_vocab, self._breakers)
+        return self._penalizer
+
     def _penalties(self, params: SamplingParams, committed: list[int]) -> StepPenalties | None:
         """The params' penalties for this step's nodes (None when none is on)."""
-        if not params.penalized:
-            return None
-        penalizer = self._penalizer
-        if penalizer is None or penalizer.params != params:
-            penalizer = penalizer_for(params, self.target.ctx.n_vocab, self._breakers)
-            assert penalizer is not None
-            self._penalizer = penalizer
-        return penalizer.step(committed)
+        penalizer = self._penalizer_for(params)
+        return penalizer.step(committed) if penalizer is not None else None
 
     def _step(self, committed: list[int], config: SpecConfig, params: SamplingParams,
               rng: np.random.Generator) -> tuple[list[int], list[str], StepStats]:

@@ -115,8 +115,6 @@ def sampling_params(args: argparse.Namespace,
     sampler option not given keeps its value in ``defaults`` (a prompt format's)."""
     given = {name: getattr(args, name) for name in SAMPLER_FIELDS
              if getattr(args, name, None) is not None}
-    if "dry_breakers" in given:
-        given["dry_breakers"] = tuple(given["dry_breakers"])
     return dataclasses.replace(defaults or SamplingParams(), temperature=args.temp,
                                top_k=args.top_k,
                                top_p=args.top_p, seed=args.seed, **given)

@@ -120,7 +120,7 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         p.drawText(QRectF(x_of(max(hi, s["speedup"])) + 4, y, 60, ROW - 6),
                    Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
                    speedup_label(s["speedup"]))
-    p.setPen(QPen(PLAIN, 1.5))  # plain decoding: 1.00x
+    p.setPen(QPen(PLAIN, 1.5))  # the line at plain decoding's speed
     p.drawLine(QPointF(x_of(1.0), plot.top() - 2), QPointF(x_of(1.0), plot.bottom()))
     oracle = cell["modes"].get("oracle")
     if oracle is not None:  # the ceiling: a free drafter that knows the answer

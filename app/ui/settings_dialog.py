@@ -78,7 +78,8 @@ class SettingsDialog(QDialog):
         self.dry_base = _dspin(1.0, 4.0, 0.05, "DRY: the penalty grows by this factor per "
                                                "repeated token")
         self.dry_allowed_length = _spin(1, 32, "DRY: repeats this long or shorter are free")
-        self.format_defaults = QLabel()
+        self.format_defaults = QLabel("\n".join(
+            f"{f.label}: {describe_sampler(f.sampler)}" for f in FORMATS.values()))
         self.format_defaults.setWordWrap(True)
         self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
         self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
@@ -216,8 +217,6 @@ class SettingsDialog(QDialog):
         custom = self.repetition.currentData() == "custom"
         for name in _SAMPLER:
             getattr(self, name).setEnabled(custom)
-        self.format_defaults.setText("\n".join(
-            f"{f.label}: {describe_sampler(f.sampler)}" for f in FORMATS.values()))
         self.format_defaults.setVisible(self.repetition.currentData() == "format")
 
     def _defaults(self) -> None:
