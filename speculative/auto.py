@@ -15,12 +15,13 @@ keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is tried
 draft's catching up on text it skipped while other kinds ran is a cost of switching, not of
 the kind: it is left out of the draft's rate (and counted in the regret below).
 
-Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind
-where nothing else pays: the *regret*, the time steps took beyond what the target alone would
-have taken for their tokens (at its measured rate), may reach ``EXPLORE_SHARE`` of the time
-spent (plus an allowance of ``EXPLORE_START`` plain steps' time for a fresh start); a kind other
-than the fastest runs only while regret is under budget, and what the fastest gains (negative
-regret) is budget for later explorations.
+Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
+the *regret*, the time steps took beyond what the fastest kind measured so far would have taken
+for their tokens, may reach ``EXPLORE_SHARE`` of the time spent (plus an allowance of
+``EXPLORE_START`` plain steps' time for a fresh start); a kind other than the fastest runs only
+while regret is under budget. The regret is counted against the fastest kind, not against the
+target alone: counted against the target alone, what the fastest kind gains over it would pay
+for explorations until ``auto`` had lost its whole lead over plain decoding to them.
 
 Every choice depends on past steps and this step's distributions, never on this step's sampled
 tokens, so ``auto`` is as exact as the tree modes it is made of.
@@ -101,9 +102,17 @@ class Planner:
         default_factory=lambda: _counts(EXPLORE_EVERY))
     greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
-    regret: float = 0.0   # their seconds beyond the target alone's for their tokens
+    regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens
 
     # --- questions (they change nothing) ---
+
+    def best_seconds(self) -> float:
+        """Seconds per token of the fastest measured kind; before any is measured, of the
+        target alone (``plain_seconds``)."""
+        best = self.fastest(list(StepKind))
+        if best is None or self.rates[best].value <= 0:
+            return self.plain_seconds()
+        return min(1.0 / self.rates[best].value, self.plain_seconds())
 
     def plain_seconds(self) -> float:
         """Seconds per token of the target alone: measured, or before any such step, the cost
@@ -161,7 +170,7 @@ class Planner:
                      switch: float = 0.0) -> None:
         """A finished step of ``kind`` emitted ``tokens`` in ``seconds``, ``switch`` of them
         spent catching up after other kinds ran (left out of the kind's rate)."""
-        self.regret += seconds - tokens * self.plain_seconds()
+        self.regret += seconds - tokens * self.best_seconds()
         self.elapsed += seconds
         best = self.fastest(list(StepKind))
         self.rates[kind].add(tokens, max(seconds - switch, 1e-9))

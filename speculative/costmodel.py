@@ -74,23 +74,39 @@ class VerifyCost:
         return ta + (n - a) * (tb - ta) / (b - a)
 
 
+DENSE_UP_TO = 8  # every batch size up to this one is measured; beyond it, every 4th
+ROUNDS = 3       # timings of each size, taken in rounds across all sizes
+
+
+def curve_sizes(max_tokens: int) -> list[int]:
+    """The batch sizes whose cost is measured: every size up to ``DENSE_UP_TO`` (the curve is
+    not smooth there: llama.cpp's matrix kernels work on tiles of a few tokens, so a batch one
+    token past a tile can cost as much as a whole extra tile), then every 4th, and the largest."""
+    dense = range(1, min(max_tokens, DENSE_UP_TO) + 1)
+    sparse = range(DENSE_UP_TO + 4, max_tokens + 1, 4)
+    return sorted({*dense, *sparse, max_tokens})
+
+
 def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
-                        repeats: int = 3) -> VerifyCost:
-    """Time one-batch decodes of 1, 2, 4, ... ``max_tokens`` tokens after ``prefix`` tokens
-    (medians of ``repeats``), each after a batch of the same size, and the switch cost: what
-    batches of 1 and 2 tokens take beyond that when they alternate. Leaves the context empty."""
-    sizes = sorted({*(2 ** k for k in range(max_tokens.bit_length())), max_tokens})
-    sizes = [n for n in sizes if 1 <= n <= min(max_tokens, ctx.n_batch, ctx.n_ctx - 1)]
+                        rounds: int = ROUNDS) -> VerifyCost:
+    """Time one-batch decodes of every size in ``curve_sizes`` after ``prefix`` tokens, each
+    after a batch of the same size (the first decode of a shape builds its graph), and the
+    switch cost: what batches of 1 and 2 tokens take beyond that when they alternate. The
+    sizes are timed in ``rounds`` passes over all of them and each size's median kept, so a
+    change in the machine's load during the measurement shifts every size alike instead of
+    bending the curve (what decides a tree's size is the ratio of the sizes' costs). Leaves
+    the context empty."""
+    sizes = [n for n in curve_sizes(max_tokens) if n <= min(ctx.n_batch, ctx.n_ctx - 1)]
     prefix = max(1, min(prefix, ctx.n_ctx - sizes[-1], ctx.n_batch))
     ctx.clear()
     ctx.decode([0] * prefix, list(range(prefix)), [[0]] * prefix, False)
-    seconds = []
-    for n in sizes:
-        times = []
-        for _ in range(repeats + 1):  # the first decode of a new shape builds its graph
-            times.append(_timed_decode(ctx, prefix, n))
-        seconds.append(float(np.median(times[1:])))
-    switch = _measure_switch(ctx, prefix, 2 * repeats + 2) if len(sizes) > 1 else 0.0
+    times: dict[int, list[float]] = {n: [] for n in sizes}
+    for _ in range(rounds):
+        for n in sizes:
+            _timed_decode(ctx, prefix, n)  # after a batch of another size: not the curve
+            times[n].append(_timed_decode(ctx, prefix, n))
+    seconds = [float(np.median(times[n])) for n in sizes]
+    switch = _measure_switch(ctx, prefix, 2 * rounds + 2) if len(sizes) > 1 else 0.0
     ctx.clear()
     return VerifyCost(tuple(sizes), tuple(seconds), switch)
 
@@ -134,7 +150,9 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     if key is None:
         return _measure_plausible(ctx, max_tokens)
     path = path or cache_path()
-    digest = hashlib.sha256(f"{key}|{max_tokens}".encode()).hexdigest()[:24]
+    # the sizes name how the curve is measured: a cache of another way of measuring is stale
+    sizes = curve_sizes(max_tokens)
+    digest = hashlib.sha256(f"{key}|{max_tokens}|{sizes}|{ROUNDS}".encode()).hexdigest()[:24]
     entries = _read_cache(path)
     hit = entries.get(digest)
     if hit is not None and "switch" in hit and not refresh:  # (no "switch": an older cache)

@@ -280,9 +280,17 @@ def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     pair = [StepKind.DRAFT, StepKind.ROOT]
     assert planner.choose(pair) is StepKind.DRAFT
     assert planner.choose(pair, {StepKind.DRAFT: 10.0}) is StepKind.ROOT
-    for _ in range(5):  # n-gram trees at 3 tokens per second: the fastest, and their gain
-        planner.observe_step(StepKind.GUESSES, 3, 1.0)  # is budget
-    assert planner.fastest(KINDS) is StepKind.GUESSES and planner.regret < 0
+    for _ in range(5):  # n-gram trees at 3 tokens per second: the fastest
+        planner.observe_step(StepKind.GUESSES, 3, 1.0)
+    assert planner.fastest(KINDS) is StepKind.GUESSES
+    # the regret is counted against the fastest kind: the fastest running at its own rate
+    # neither spends nor earns budget, and a step at the target alone's rate loses what the
+    # fastest would have saved (its lead over plain is not budget to lose)
+    before = planner.regret
+    planner.observe_step(StepKind.GUESSES, 3, 1.0)
+    assert planner.regret == pytest.approx(before)
+    planner.observe_step(StepKind.DRAFT, 3, 3.0)
+    assert planner.regret == pytest.approx(before + 2.0)
 
 
 def test_the_draft_catching_up_is_not_counted_against_drafting() -> None:

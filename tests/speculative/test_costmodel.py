@@ -11,6 +11,7 @@ from speculative.costmodel import (
     VerifyCost,
     best_size,
     cached_verify_cost,
+    curve_sizes,
     measure_verify_cost,
 )
 from tests.fakes import FakeContext, logit_table
@@ -70,10 +71,43 @@ def test_one_missed_node_does_not_make_a_drafter_look_useless() -> None:
 
 def test_measure_leaves_the_context_empty() -> None:
     ctx = FakeContext(logit_table(5, seed=0), n_ctx=40, n_batch=16)
-    cost = measure_verify_cost(ctx, 13, repeats=1)
-    assert cost.sizes == (1, 2, 4, 8, 13)
+    cost = measure_verify_cost(ctx, 13, rounds=1)
+    assert cost.sizes == (1, 2, 3, 4, 5, 6, 7, 8, 12, 13)
     assert all(t > 0 for t in cost.seconds) and cost.switch >= 0.0
     assert ctx.cells == []
+
+
+class _Drifting(FakeContext):
+    """Decodes that take 1 ms a token plus 2 ms, on a machine whose load doubles the time of
+    everything after its first ``calm`` decodes (another program starting mid-measurement)."""
+
+    def __init__(self, *args, calm: int, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.calm, self.decodes = calm, 0
+
+    def decode(self, tokens, *args, **kwargs):
+        self.decodes += 1
+        load = 1 if self.decodes <= self.calm else 2
+        time.sleep(load * 0.001 * (len(tokens) + 2))
+        return super().decode(tokens, *args, **kwargs)
+
+
+def test_a_load_change_mid_measurement_does_not_bend_the_curve() -> None:
+    """Sizes are timed in rounds across all of them: a load that starts after the first round
+    moves every size's median alike, so the small sizes are not timed calm and the large ones
+    busy (which would make large trees look dear)."""
+    sizes = len(curve_sizes(8))
+    ctx = _Drifting(logit_table(5, seed=0), n_ctx=40, n_batch=16, calm=1 + 2 * sizes)
+    cost = measure_verify_cost(ctx, 8, rounds=3)
+    ratio = cost.curve(8) / cost.curve(1)
+    assert ratio == pytest.approx(10 / 3, rel=0.2)  # (8 + 2) / (1 + 2), calm or busy alike
+
+
+def test_every_small_batch_size_is_measured() -> None:
+    """The curve steps where a batch passes a kernel's tile; interpolating between powers of
+    two would price a batch one past a tile at half the step."""
+    assert curve_sizes(17) == [1, 2, 3, 4, 5, 6, 7, 8, 12, 16, 17]
+    assert curve_sizes(3) == [1, 2, 3]
 
 
 def test_guesses_ride_along_only_where_they_are_cheap() -> None:
