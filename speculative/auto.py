@@ -8,20 +8,31 @@ n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's 
 in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
 measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays.
 
-Which kind runs is measured, not predicted: the tokens per second each kind really gave, as
-decayed running rates (the text's difficulty drifts), and the fastest measured one runs. The
-others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles while an exploration
-keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is tried first. The
+Which kind runs is measured, not predicted: how many tokens per second each kind gave against
+the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
+fastest runs. The others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles
+while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is
+tried first. The
 draft's catching up on text it skipped while other kinds ran is a cost of switching, not of
 the kind: it is left out of the draft's rate (and counted in the regret below).
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
-the *regret*, the time steps took beyond what the fastest kind measured so far would have taken
-for their tokens, may reach ``EXPLORE_SHARE`` of the time spent (plus an allowance of
-``EXPLORE_START`` plain steps' time for a fresh start); a kind other than the fastest runs only
-while regret is under budget. The regret is counted against the fastest kind, not against the
-target alone: counted against the target alone, what the fastest kind gains over it would pay
-for explorations until ``auto`` had lost its whole lead over plain decoding to them.
+the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
+the fastest would have taken for their tokens, may reach ``EXPLORE_SHARE`` of the time spent
+(plus an allowance of ``EXPLORE_START`` plain steps' time for a fresh start); a kind other than
+the fastest runs only while regret is under budget. The regret is counted against the fastest
+kind, not against the target alone: counted against the target alone, what the fastest kind
+gains over it would pay for explorations until ``auto`` had lost its whole lead over plain
+decoding to them. The first measurements, before any kind is measured, are not regret.
+
+Which kind is fastest is judged on the same text where possible: a step's plan names what the
+other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
+tree beside a draft step, and the target alone beside every drafted step), and the step's
+verdict tells exactly how many tokens those would have emitted; their time is the step's own
+outside planning, their planning, and this step's target pass scaled by the cost curve to
+their batch. Rates measured at different moments differ more with the text (a new prompt, a
+docstring against code) than the kinds differ from each other; paired on the same steps, the
+text's difficulty cancels (``Paired``).
 
 Every choice depends on past steps and this step's distributions, never on this step's sampled
 tokens, so ``auto`` is as exact as the tree modes it is made of.
@@ -30,11 +41,12 @@ tokens, so ``auto`` is as exact as the tree modes it is made of.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections.abc import Mapping, Sequence
 
 from .costmodel import Running
 from .drafting import DraftTree, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
-from .plan import Path, Scorer, StepKind, StepPlan
+from .plan import Alternative, Path, Scorer, StepKind, StepPlan
 from .policies import (
     Outcome,
     Resources,
@@ -47,7 +59,7 @@ from .tree import TokenTree
 
 EXPLORE_EVERY = 24  # steps after which a kind of step not the fastest is tried again
 MAX_BACKOFF = 16    # at most this many times longer while explorations keep losing
-EXPLORE_SHARE = 0.01  # time auto may lose to exploring, as a share of its time
+EXPLORE_SHARE = 0.02  # time auto may lose to exploring, as a share of its time
 EXPLORE_START = 200   # plain steps' time a fresh planner counts as spent (2 steps to lose)
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 
@@ -74,6 +86,52 @@ class Rate:
         return self.steps >= MIN_STEPS
 
 
+@dataclasses.dataclass(slots=True)
+class Paired:
+    """Two kinds timed on the same steps: one as it ran, the other as what it would have
+    verified there and how long that would have taken (``counterfactual``). Decayed sums, so
+    the ratio of their rates follows the text as it changes."""
+
+    tokens: float = 0.0      # the kind that ran
+    seconds: float = 0.0
+    alt_tokens: float = 0.0  # the other, on the same steps
+    alt_seconds: float = 0.0
+    steps: float = 0.0
+    decay: float = 0.95
+
+    def add(self, tokens: int, seconds: float, alt_tokens: int, alt_seconds: float) -> None:
+        d = self.decay
+        self.tokens = d * self.tokens + tokens
+        self.seconds = d * self.seconds + seconds
+        self.alt_tokens = d * self.alt_tokens + alt_tokens
+        self.alt_seconds = d * self.alt_seconds + alt_seconds
+        self.steps = d * self.steps + 1.0
+
+    @property
+    def measured(self) -> bool:
+        return self.steps >= MIN_STEPS and min(self.seconds, self.alt_seconds,
+                                               self.alt_tokens) > 0
+
+    @property
+    def advantage(self) -> float:
+        """The ran kind's rate over the other's on the same steps."""
+        return (self.tokens / self.seconds) / (self.alt_tokens / self.alt_seconds)
+
+
+def counterfactual_tokens(tree: TokenTree, written: Sequence[int]) -> int:
+    """Tokens a greedy step verifying ``tree`` would have emitted where the target wrote
+    ``written`` (the accepted tokens and its own next one): the tree's nodes along them, plus
+    the target's token after the last. Past ``written`` the target's tokens are unknown, so a
+    tree that holds all of them is counted as stopping there."""
+    node, k = 0, 0
+    for token in written:
+        child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
+        if child is None:
+            break
+        node, k = child, k + 1
+    return k + 1
+
+
 def _backoff(every: int, lost: bool) -> int:
     """The wait before the next exploration: doubled while explorations keep losing."""
     return min(every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost else EXPLORE_EVERY
@@ -97,6 +155,8 @@ class Planner:
     # P(an n-gram guess is accepted | its parent was): the chain's per-level hit rate
     ngram_hits: Running = dataclasses.field(default_factory=lambda: Running(prior=0.3))
     rates: dict[StepKind, Rate] = dataclasses.field(default_factory=_rates)
+    # (kind that ran, kind it was compared with on the same steps) -> their paired timings
+    pairs: dict[tuple[StepKind, StepKind], Paired] = dataclasses.field(default_factory=dict)
     idle: dict[StepKind, int] = dataclasses.field(default_factory=lambda: _counts(0))
     every: dict[StepKind, int] = dataclasses.field(
         default_factory=lambda: _counts(EXPLORE_EVERY))
@@ -110,9 +170,8 @@ class Planner:
         """Seconds per token of the fastest measured kind; before any is measured, of the
         target alone (``plain_seconds``)."""
         best = self.fastest(list(StepKind))
-        if best is None or self.rates[best].value <= 0:
-            return self.plain_seconds()
-        return min(1.0 / self.rates[best].value, self.plain_seconds())
+        speed = self.speed(best) if best is not None else 1.0
+        return self.plain_seconds() / max(speed, 1.0)
 
     def plain_seconds(self) -> float:
         """Seconds per token of the target alone: measured, or before any such step, the cost
@@ -128,10 +187,25 @@ class Planner:
         allowance = EXPLORE_SHARE * (self.elapsed + EXPLORE_START * self.plain_seconds())
         return self.regret + risk < allowance
 
+    def speed(self, kind: StepKind) -> float:
+        """How fast ``kind`` is, as its rate over the target alone's: measured on the same
+        steps where possible (every drafted step is timed against the target alone in its
+        place, ``Paired``), otherwise from the rates measured apart. One scale for all kinds,
+        so that the fastest is well defined (pairs measured at different moments need not
+        agree with each other)."""
+        if kind is StepKind.ROOT:
+            return 1.0
+        pair = self.pairs.get((kind, StepKind.ROOT))
+        if pair is not None and pair.measured:
+            return pair.advantage
+        root = self.rates[StepKind.ROOT].value
+        rate = self.rates[kind].value
+        return rate / root if root > 0 else rate * self.plain_seconds()
+
     def fastest(self, kinds: Sequence[StepKind]) -> StepKind | None:
-        """The measured kind of ``kinds`` with the highest rate, or None."""
+        """The measured kind of ``kinds`` with the highest ``speed``, or None."""
         measured = [k for k in kinds if self.rates[k].measured]
-        return max(measured, key=lambda k: self.rates[k].value) if measured else None
+        return max(measured, key=self.speed) if measured else None
 
     def choose(self, kinds: Sequence[StepKind],
                risks: Mapping[StepKind, float] | None = None) -> StepKind:
@@ -164,21 +238,32 @@ class Planner:
         (sampled trees accept far less than greedy ones)."""
         if self.greedy is not None and greedy != self.greedy:
             self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
+            self.pairs = {}
         self.greedy = greedy
 
     def observe_step(self, kind: StepKind, tokens: int, seconds: float,
-                     switch: float = 0.0) -> None:
+                     switch: float = 0.0,
+                     alternatives: Sequence[tuple[StepKind, int, float]] = ()) -> None:
         """A finished step of ``kind`` emitted ``tokens`` in ``seconds``, ``switch`` of them
-        spent catching up after other kinds ran (left out of the kind's rate)."""
-        self.regret += seconds - tokens * self.best_seconds()
-        self.elapsed += seconds
+        spent catching up after other kinds ran (left out of the kind's rate);
+        ``alternatives``: what other kinds would have emitted there, in how many seconds."""
         best = self.fastest(list(StepKind))
-        self.rates[kind].add(tokens, max(seconds - switch, 1e-9))
+        if best is not None and kind is not best:  # an exploration: what it lost (or won)
+            self.regret += seconds - tokens * self.best_seconds()
+        self.elapsed += seconds
+        ran = max(seconds - switch, 1e-9)
+        self.rates[kind].add(tokens, ran)
+        for alt, alt_tokens, alt_seconds in alternatives:
+            self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
+                                                             alt_seconds)
+        for a, alt_a in enumerate(alternatives):  # the alternatives against each other
+            for alt_b in alternatives[a + 1:]:
+                self.pairs.setdefault((alt_a[0], alt_b[0]), Paired()).add(*alt_a[1:], *alt_b[1:])
         for k in StepKind:
             self.idle[k] = 0 if k is kind else self.idle[k] + 1
         if best is not None and kind is not best and self.rates[kind].measured:
             # an exploration: wait longer before the next while this kind loses
-            lost = self.rates[kind].value < self.rates[best].value
+            lost = self.speed(kind) < self.speed(best)
             self.every[kind] = _backoff(self.every[kind], lost)
 
     def observe_ngram(self, offered: int, accepted: int) -> None:
@@ -214,26 +299,36 @@ class AutoPolicy:
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
             return StepPlan.alone(step.root)
+        t0 = time.perf_counter()
+        alone = Alternative(StepKind.ROOT, TokenTree.rooted(step.root))
         res.feed_ngram(step.committed)
         ngram = res.ngram_drafter(step.params, budget)
         if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                              res.worth_growing(), step.penalties)
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params)
-            return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
+            plan = StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
+            return dataclasses.replace(plan, alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
         # batches pay against the whole step's drafting time, the n-gram's included)
         expand = res.expander(budget, staged=True)
-        ngram_tree = (grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                                res.worth_growing(), step.penalties)
-                      if step.params.greedy else None)
+        guesses = None
+        if step.params.greedy:
+            ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
+                                   res.worth_growing(), step.penalties)
+            # what a step of the n-gram's tree alone would have verified here
+            cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
+                          res.calibrations.factor(Scorer.NGRAM))
+            guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
         drafter = res.model_drafter(step.config, staged=True)
         draft = grow(drafter, step, expand)
-        if ngram_tree is None:  # sampled: a node's children must all come from one q
+        if guesses is None:  # sampled: a node's children must all come from one q
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
-            return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT)
+            plan = StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT)
+            return dataclasses.replace(plan, alternatives=(alone,))
         draft, chain = self.add_guesses(draft, step)
-        return self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
+        plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
+        return dataclasses.replace(plan, alternatives=(guesses, alone))
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:
@@ -314,7 +409,30 @@ class AutoPolicy:
                 planner.observe_ngram(len(guess), n)
         counters, draft = plan.counters, planner.sizer.draft
         switch = draft.curve(counters.caught_up) if draft and counters.caught_up > 1 else 0.0
-        planner.observe_step(plan.kind, outcome.emitted, outcome.seconds, switch)
+        planner.observe_step(plan.kind, outcome.emitted, outcome.seconds, switch,
+                             self.counterfactuals(plan, outcome))
+
+    def counterfactuals(self, plan: StepPlan, outcome: Outcome
+                        ) -> list[tuple[StepKind, int, float]]:
+        """What each of the plan's alternatives would have emitted in this step, and in how
+        many seconds: the step's own time outside planning and the target's pass, the
+        alternative's planning, and this pass's time scaled by the cost curve to the
+        alternative's batch (so the machine's load of the moment is in both). The tokens are
+        known exactly where verification is deterministic: greedy, or the target alone."""
+        curve = self.planner.sizer.target.curve
+        if outcome.batch < 1 or not plan.alternatives:
+            return []
+        written = (*outcome.accepted, outcome.next_token)
+        rest = max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0)
+        out = []
+        for alt in plan.alternatives:
+            if alt.kind is not StepKind.ROOT and not self.planner.greedy:
+                continue  # a sampled tree's acceptance is a draw: not known for this step
+            batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
+            verify = outcome.t_verify * curve(batch) / curve(outcome.batch)
+            out.append((alt.kind, counterfactual_tokens(alt.tree, written),
+                        rest + alt.t_plan + verify))
+        return out
 
 
 def guess_nodes(tree: TokenTree, chain: tuple[Path, Path] | None) -> frozenset[int]:

@@ -37,6 +37,17 @@ class Scorer(enum.Enum):
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
+class Alternative:
+    """A step another kind would have verified instead, on the same text: its tree and what
+    planning it took. ``auto`` times the step taken against these counterfactuals, so kinds
+    are compared on the same text rather than on rates measured at other moments."""
+
+    kind: StepKind
+    tree: TokenTree   # a lone root for the target alone
+    t_plan: float = 0.0
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
 class StepPlan:
     """One step's tree and what to learn from its verdict. Immutable once made."""
 
@@ -50,6 +61,7 @@ class StepPlan:
     scored: Mapping[Path, tuple[Scorer, float]] = dataclasses.field(default_factory=dict)
     # auto's n-gram chain hung below a drafted path: (that path, the chain's tokens)
     guesses: tuple[Path, Path] | None = None
+    alternatives: tuple[Alternative, ...] = ()  # auto: what other kinds would have verified
 
     @property
     def counters(self) -> DraftCounters:

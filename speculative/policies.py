@@ -105,6 +105,10 @@ class Outcome:
     accepted: tuple[int, ...]   # their tokens
     emitted: int                # tokens the step added
     seconds: float              # the whole step
+    t_plan: float = 0.0         # ... of which planning (drafting included)
+    t_verify: float = 0.0       # ... and the target's pass with the acceptance rule
+    batch: int = 0              # tokens in the target's pass
+    next_token: int = -1        # the target's own token after the accepted path
 
 
 def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:

@@ -112,7 +112,7 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
         taken: list[StepKind] = []  # noqa: RUF012 (the test's record)
 
         def observe_step(self, kind: StepKind, tokens: int, seconds: float,
-                         switch: float = 0.0) -> None:
+                         switch: float = 0.0, alternatives=()) -> None:
             self.taken.append(kind)
             for k in StepKind:
                 self.idle[k] = 0 if k is kind else self.idle[k] + 1
@@ -178,7 +178,7 @@ def test_auto_greedy_verifies_ngram_branches_beside_the_draft_and_stays_exact() 
     drafting lose to the target alone, see Planner.measured_loss.)"""
     class Unmeasured(Planner):
         def observe_step(self, kind: StepKind, tokens: int, seconds: float,
-                         switch: float = 0.0) -> None:
+                         switch: float = 0.0, alternatives=()) -> None:
             pass
 
     corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]  # knows some of the text
@@ -337,3 +337,74 @@ def test_the_target_alone_is_measured_even_when_the_budget_is_spent() -> None:
     assert taken[:4] == [StepKind.DRAFT] * 4 and not planner.within_budget()
     assert StepKind.ROOT in taken[4:12]
     assert taken[-20:] == [StepKind.ROOT] * 20
+
+
+def test_counterfactual_tokens_follow_what_the_target_wrote() -> None:
+    """A tree that was not verified is credited with exactly what greedy verification of it
+    would have emitted: its nodes along the target's tokens, plus the target's next one."""
+    from speculative.auto import counterfactual_tokens
+
+    tree = TokenTree.rooted(7)
+    a = tree.add(0, 1, 0.9, "ngram")
+    tree.add(a, 2, 0.5, "ngram")
+    tree.add(0, 3, 0.1, "ngram")
+    assert counterfactual_tokens(tree, (1, 2, 5)) == 3  # 1, 2 accepted, then the target's 5
+    assert counterfactual_tokens(tree, (1, 4)) == 2
+    assert counterfactual_tokens(tree, (3,)) == 2       # all it holds of what was written
+    assert counterfactual_tokens(tree, (9, 1)) == 1
+    assert counterfactual_tokens(TokenTree.rooted(7), (1, 2)) == 1  # the target alone
+
+
+def test_kinds_are_compared_on_the_same_steps() -> None:
+    """The n-gram's trees ran on easy text (3 tokens per second) and the draft's on hard text
+    (2 per second): apart, the n-gram's look faster. On the draft's own steps the n-gram's
+    tree would have emitted 1 token where the draft's emitted 2, in nearly the same time:
+    compared on the same text, the draft is the faster kind, whatever order it is asked in."""
+    planner = _planner()
+    for _ in range(6):
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+        planner.observe_step(StepKind.GUESSES, 3, 1.0, alternatives=[(StepKind.ROOT, 1, 0.5)])
+        planner.observe_step(StepKind.DRAFT, 2, 1.0, alternatives=[
+            (StepKind.GUESSES, 1, 0.8), (StepKind.ROOT, 1, 1.0)])
+    assert planner.rates[StepKind.GUESSES].value > planner.rates[StepKind.DRAFT].value
+    assert planner.speed(StepKind.DRAFT) == pytest.approx(2.0)
+    # pooled from the n-gram's own steps and the draft's alternatives
+    assert 1.0 < planner.speed(StepKind.GUESSES) < planner.speed(StepKind.DRAFT)
+    for kinds in itertools.permutations(KINDS):
+        assert planner.fastest(list(kinds)) is StepKind.DRAFT
+    # the alternatives were compared with each other too
+    assert planner.pairs[(StepKind.GUESSES, StepKind.ROOT)].steps > 0
+
+
+def test_only_explorations_count_as_regret() -> None:
+    """Steps before any kind is measured, and steps of the fastest kind, are not regret; a
+    step of another kind is, by what it lost against the fastest."""
+    planner = _planner()
+    for _ in range(3):
+        planner.observe_step(StepKind.GUESSES, 1, 5.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    assert planner.regret == 0.0  # measuring: no kind known to be faster yet
+    planner.observe_step(StepKind.GUESSES, 1, 5.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    for _ in range(4):
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    assert planner.fastest(KINDS) is StepKind.ROOT
+    regret = planner.regret
+    planner.observe_step(StepKind.ROOT, 1, 1.0)
+    assert planner.regret == regret
+    planner.observe_step(StepKind.GUESSES, 1, 3.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    assert planner.regret == pytest.approx(regret + 2.0)
+
+
+def test_auto_times_each_step_against_what_other_kinds_would_have_done() -> None:
+    """On fake models, every greedy drafted step is paired with the n-gram's tree and the
+    target alone in its place, and output stays exact."""
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
+    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    for prompt in PROMPTS[:6]:
+        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+    pairs = engine.planner.pairs
+    assert (StepKind.DRAFT, StepKind.GUESSES) in pairs
+    assert (StepKind.DRAFT, StepKind.ROOT) in pairs
+    for pair in pairs.values():
+        assert pair.alt_tokens > 0 and pair.alt_seconds > 0
