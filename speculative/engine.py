@@ -18,7 +18,7 @@ from collections.abc import Callable, Collection, Iterator, Sequence
 import numpy as np
 
 from .auto import AutoPolicy, Planner
-from .costmodel import VerifyCost
+from .costmodel import Running, VerifyCost
 from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
@@ -88,7 +88,8 @@ class Engine:
         # step is exact for the parameters it ran with)
         self.sampling: SamplingParams | None = None
         self._policies: dict[Mode, Policy] = {}
-        self._overhead: float | None = None  # seconds a plain step spends outside its pass
+        # seconds a step with the target alone spends outside its pass (decayed mean)
+        self._overhead = Running(prior=0.0)
         self._breakers = breakers
         self._penalizer: Penalizer | None = None  # the last params' (they rarely change)
 
@@ -248,19 +249,20 @@ class Engine:
 
     def _plain_per_token(self, batch: int, shape_before: int, t_verify: float,
                          t_rest: float) -> float:
-        """What one token of plain decoding costs now: this step's pass of ``batch`` tokens
-        scaled by the cost curve to one token (less the graph switch when the batch's shape
-        changed), plus the loop's bare overhead (the least a step with the target alone spent
-        outside its pass); 0 without a cost curve, unless the pass was one token."""
+        """What one token of plain decoding costs now: a step with the target alone is one
+        (its pass and the rest of its time); any other step's pass of ``batch`` tokens scaled
+        by the cost curve to one token (less the graph switch when the batch's shape changed),
+        plus the loop's overhead around a pass with the target alone (the decayed mean of
+        such steps'); 0 without a cost curve."""
         if batch == 1:
-            self._overhead = t_rest if self._overhead is None else min(self._overhead, t_rest)
-            return t_verify + self._overhead
+            self._overhead.add(t_rest)
+            return t_verify + t_rest
         cost = self.res.verify_cost
         if cost is None:
             return 0.0
         switch = cost.switch if batch != shape_before else 0.0
         one = max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
-        return one + (self._overhead or 0.0)
+        return one + (self._overhead.value if self._overhead.weight > 0 else 0.0)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator, penalties: StepPenalties | None

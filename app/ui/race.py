@@ -182,8 +182,9 @@ class RaceWindow(QDialog):
                 "differ (two samples)" if r.temperature > 0
                 else "part at a tie" if r.divergence is not None and r.divergence.tie
                 else "NOT identical")
-            self.verdict.setText(f"{r.speedup:.2f}× plain's speed over {r.tokens} tokens · "
-                                 f"texts {same}")
+            rounds = f" (pooled over {len(r.rounds) + 1} rounds)" if r.rounds else ""
+            self.verdict.setText(f"{r.speedup:.2f}× plain's speed over {r.tokens} tokens"
+                                 f"{rounds} · texts {same}")
             self.replay.setEnabled(True)
             self.replays += 1
             self.replay_finished.emit()

@@ -91,6 +91,9 @@ class RaceResult:
     # greedy texts that differ: where, and whether the target's own logits tie there
     divergence: Divergence | None = None
     temperature: float = 0.0  # above 0 the two runs are two draws: their texts may differ
+    # further rounds of the same race, timed only: (plain's, speculation's) seconds for the
+    # ``tokens`` both runs of the first round wrote
+    rounds: tuple[tuple[float, float], ...] = ()
 
     @property
     def identical(self) -> bool:
@@ -103,7 +106,11 @@ class RaceResult:
 
     @property
     def speedup(self) -> float:
-        """Plain decoding's seconds over speculation's for the same number of tokens."""
+        """Plain decoding's seconds over speculation's for the same number of tokens, pooled
+        over every round."""
         n = self.tokens
-        s = self.speculative.run.seconds_until(n)
-        return self.plain.run.seconds_until(n) / s if n and s > 0 else 0.0
+        if not n:
+            return 0.0
+        plain = self.plain.run.seconds_until(n) + sum(p for p, _ in self.rounds)
+        spec = self.speculative.run.seconds_until(n) + sum(s for _, s in self.rounds)
+        return plain / spec if spec > 0 else 0.0

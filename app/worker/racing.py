@@ -4,6 +4,13 @@ Both run to the same length (the end-of-text token does not stop them: sampled, 
 own draw and would stop elsewhere), and the verdict compares the time each took for the tokens
 both wrote.
 
+A short race is repeated: on a fast model a run takes a fraction of a second, and the machine's
+jitter (another program, the CPU's clock, a thread waking) moves such a run by a quarter, as
+much as speculation changes it. While either side's pooled time is under ``RACE_SECONDS``, both
+run again, the order alternating (speculation first, then plain first, ...) so that a warm-up
+or a drift favours neither; the verdict pools every round's time for the same tokens. The
+replay shows the first round.
+
 Plain Python, run on the engine's thread by ``EngineWorker``.
 """
 
@@ -26,6 +33,9 @@ from speculative.text import TextStream
 
 Progress = Callable[[str, int], None]  # mode, tokens so far
 
+RACE_SECONDS = 1.0  # each side's pooled generation time the verdict should rest on, at least
+MAX_ROUNDS = 8      # extra rounds at most (a very short reply stays a short measure)
+
 
 class RaceStopped(Exception):
     """Stop was pressed during the race."""
@@ -38,14 +48,35 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
     there). The engine's settings are the request's again afterwards."""
     prompt = prompt_for(pair, engine, request)
     runs = []
+    modes = (Mode.PLAIN, engine.config.mode)
+    rounds: list[tuple[float, float]] = []
+
+    def run_once(mode: Mode, run: RunStats) -> Iterator[Step]:
+        engine.config = dataclasses.replace(request.settings.spec(), mode=mode)
+        return steps(engine, pair, request, prompt, live, cancelled, run,
+                     stop_at_end_of_text=False)
+
     try:
-        for mode in (Mode.PLAIN, engine.config.mode):
-            engine.config = dataclasses.replace(request.settings.spec(), mode=mode)
+        for mode in modes:
             status(f"Race: {mode.value}…")
             run = RunStats()
-            with contextlib.closing(steps(engine, pair, request, prompt, live, cancelled,
-                                          run, stop_at_end_of_text=False)) as timed:
+            with contextlib.closing(run_once(mode, run)) as timed:
                 runs.append(_timed_run(mode.value, timed, pair, run, progress))
+        n = min(len(runs[0].tokens), len(runs[1].tokens))
+        pooled = [r.run.seconds_until(n) for r in runs]
+        while n and min(pooled) < RACE_SECONDS and len(rounds) < MAX_ROUNDS:
+            status(f"Race: round {len(rounds) + 2}, for a steadier measure…")
+            seconds = {}
+            order = modes[::-1] if len(rounds) % 2 == 0 else modes
+            for mode in order:
+                run = RunStats()
+                with contextlib.closing(run_once(mode, run)) as timed:
+                    for step in timed:
+                        if step.finish == "cancelled":
+                            raise RaceStopped
+                seconds[mode] = run.seconds_until(n)
+            rounds.append((seconds[modes[0]], seconds[modes[1]]))
+            pooled = [p + seconds[m] for p, m in zip(pooled, modes, strict=True)]
     finally:
         engine.config = request.settings.spec()
     why = None
@@ -55,7 +86,8 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
         why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
                       penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
         engine.target.reset()  # the replays used its cache
-    return RaceResult(request.request_id, *runs, why, request.settings.temperature)
+    return RaceResult(request.request_id, *runs, why, request.settings.temperature,
+                      tuple(rounds))
 
 
 def _timed_run(mode: str, timed: Iterator[Step], pair: ModelPair, run: RunStats,
