@@ -13,8 +13,10 @@ the target alone on the same steps (see below; decayed, the text's difficulty dr
 fastest runs. The others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles
 while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is
 tried first. The
-draft's catching up on text it skipped while other kinds ran is a cost of switching, not of
-the kind: it is left out of the draft's rate (and counted in the regret below).
+draft's catching up on text it skipped while other kinds ran is left out of the draft's rate
+measured apart (a cost of switching, not of the kind) but counted in its speed on the same
+steps (what drafting costs as ``auto`` uses it: alternating between two kinds about as fast
+pays it at every switch) and in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
@@ -254,7 +256,10 @@ class Planner:
         ran = max(seconds - switch, 1e-9)
         self.rates[kind].add(tokens, ran)
         for alt, alt_tokens, alt_seconds in alternatives:
-            self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
+            # the whole step, catching up included: switching back and forth between kinds
+            # that are about as fast pays the draft's catching up each time, and a kind's
+            # speed on the same steps must show what it costs as ``auto`` uses it
+            self.pairs.setdefault((kind, alt), Paired()).add(tokens, seconds, alt_tokens,
                                                              alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:

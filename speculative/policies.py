@@ -42,6 +42,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger(__name__)
 
+REACH = 0.25  # n-gram nodes grow only above this share of the weakest node the cut keeps
+
 
 class Mode(str, enum.Enum):
     PLAIN = "plain"    # the target alone: the baseline every speedup is measured against
@@ -216,13 +218,25 @@ class Resources:
     def worth_growing(self) -> Expand:
         """``grow_tree``'s ``expand`` for the n-gram's trees: expand only the frontier nodes
         whose calibrated score could still pay for a node of the batch (a child scores at
-        most its parent; ``Sizer.least_worth``). Most of a whole tree would be cut away, and
-        on new text its nodes' answers are not cached."""
-        assert self.sizer is not None
-        least = self.sizer.least_worth() / self.calibrations.factor(Scorer.NGRAM)
+        most its parent; ``Sizer.least_worth``), and, once some nodes pay, only those scoring
+        at least ``REACH`` of the weakest node the best cut so far keeps (of the score one
+        node needs to pay for a batch of two on its own, while none pays yet): the cut takes
+        nodes best first, so a node far below the ones it keeps enters it only into a free
+        slot of the batch, and its children, lower still, almost never. Most of a whole tree
+        would be cut away, every expansion costs a query and the penalties along its path,
+        and where the curve has free slots (``least_worth`` 0) nothing else would stop the
+        growth."""
+        assert self.sizer is not None and self.verify_cost is not None
+        factor = self.calibrations.factor(Scorer.NGRAM)
+        least = self.sizer.least_worth() / factor
+        cost = self.verify_cost
+        alone = max(cost.curve(2) / cost.curve(1) - 1.0, 0.0) / factor
 
         def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
-            return sum(tree.scores[v] >= least for v in frontier)  # best first
+            scores = sorted(tree.scores[1:], reverse=True)
+            n = best_size(scores, cost, 0.0, factor)
+            floor = max(least, REACH * (scores[n - 1] if n else alone))
+            return sum(tree.scores[v] >= floor for v in frontier)  # best first
 
         return expand
 

@@ -82,6 +82,47 @@ def test_ngram_trees_grow_only_nodes_that_could_pay() -> None:
             assert _generate(engine, prompt, 24) == _plain(prompt, 24)
 
 
+def test_ngram_trees_stop_growing_far_below_what_the_cut_keeps() -> None:
+    """On a curve with a free slot (a 4th batch token costs nothing more than a 3rd, as where
+    llama.cpp's kernels work on tiles) no node is too cheap to pay, yet the n-gram's tree grows
+    only nodes near those the cut keeps: far fewer expansions than growing the whole budget,
+    and the same cut in nearly every step."""
+    tiled = VerifyCost((1, 2, 3, 4, 8, 16, 32), (1.0, 1.2, 1.4, 1.4, 2.2, 3.0, 5.0))
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:14]]  # the n-gram knows some text
+    engine = _engine(Mode.NGRAM, TreeBudget(16, 6, 4), corpus=corpus)
+    engine.verify_cost = tiled
+    engine.measure_cost()
+    res = engine.res
+    assert res.sizer.least_worth() == 0.0
+    params, budget = SamplingParams(), TreeBudget(16, 6, 4)
+    factor = res.calibrations.factor(Scorer.NGRAM)
+    class Counting(NgramDrafter):
+        asked = 0
+
+        def logits(self, paths):
+            Counting.asked += len(paths)
+            return super().logits(paths)
+
+    expansions = []
+    same = 0
+    prompts = [p + _plain(p, 8)[:k] for p in PROMPTS[10:14] for k in (2, 5)]
+    for expand in (res.worth_growing(), None):
+        Counting.asked = 0
+        for prompt in prompts:
+            ngram = Counting(engine.ngram, sparse_top(params, budget.max_children))
+            grow_tree(ngram, prompt, budget, params, np.random.default_rng(0), expand)
+        expansions.append(Counting.asked)
+    for prompt in prompts:
+        trees = [grow_tree(NgramDrafter(engine.ngram, sparse_top(params, budget.max_children)),
+                           prompt, budget, params, np.random.default_rng(0), expand)
+                 for expand in (res.worth_growing(), None)]
+        cuts = [res.cut(t, t.scores(), 0.0, factor).tree for t in trees]
+        paths = [{c.path(v) for v in range(1, len(c))} for c in cuts]
+        same += paths[0] == paths[1]
+    assert expansions[0] < 0.5 * expansions[1]
+    assert same >= len(prompts) - 1
+
+
 def test_auto_drafts_what_the_cost_curve_pays_for_and_stays_exact() -> None:
     drafted = {}
     for name, curve in (("flat", FLAT), ("steep", STEEP)):
@@ -294,10 +335,14 @@ def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
 
 
 def test_the_draft_catching_up_is_not_counted_against_drafting() -> None:
+    """...in its rate measured apart; on the same steps it is: alternating between kinds pays
+    it at every switch, and the comparison must show that."""
     planner = _planner()
-    planner.observe_step(StepKind.DRAFT, 4, 1.0, switch=0.5)
+    planner.observe_step(StepKind.DRAFT, 4, 1.0, switch=0.5,
+                         alternatives=[(StepKind.ROOT, 1, 0.25)])
     assert planner.rates[StepKind.DRAFT].value == pytest.approx(8.0)  # 4 tokens in 0.5 s
     assert planner.elapsed == 1.0  # the whole step counts for the budget
+    assert planner.pairs[(StepKind.DRAFT, StepKind.ROOT)].seconds == pytest.approx(1.0)
 
 
 def test_rates_measured_under_the_other_sampling_start_over() -> None:
