@@ -168,10 +168,9 @@ class Planner:
 
     # --- questions (they change nothing) ---
 
-    def best_seconds(self) -> float:
-        """Seconds per token of the fastest measured kind; before any is measured, of the
-        target alone (``plain_seconds``)."""
-        best = self.fastest(list(StepKind))
+    def best_seconds(self, best: StepKind | None) -> float:
+        """Seconds per token of ``best`` (the fastest measured kind), at most the target
+        alone's (``plain_seconds``, also what it is before any kind is measured)."""
         speed = self.speed(best) if best is not None else 1.0
         return self.plain_seconds() / max(speed, 1.0)
 
@@ -251,7 +250,7 @@ class Planner:
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
         best = self.fastest(list(StepKind))
         if best is not None and kind is not best:  # an exploration: what it lost (or won)
-            self.regret += seconds - tokens * self.best_seconds()
+            self.regret += seconds - tokens * self.best_seconds(best)
         self.elapsed += seconds
         ran = max(seconds - switch, 1e-9)
         self.rates[kind].add(tokens, ran)
@@ -312,8 +311,8 @@ class AutoPolicy:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                              res.worth_growing(), step.penalties)
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params)
-            plan = StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM)
-            return dataclasses.replace(plan, alternatives=(alone,))
+            return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
+                                      alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
         # batches pay against the whole step's drafting time, the n-gram's included)
         expand = res.expander(budget, staged=True)
@@ -329,8 +328,8 @@ class AutoPolicy:
         draft = grow(drafter, step, expand)
         if guesses is None:  # sampled: a node's children must all come from one q
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
-            plan = StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT)
-            return dataclasses.replace(plan, alternatives=(alone,))
+            return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
+                                      alternatives=(alone,))
         draft, chain = self.add_guesses(draft, step)
         plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
         return dataclasses.replace(plan, alternatives=(guesses, alone))

@@ -262,7 +262,7 @@ class Engine:
             return 0.0
         switch = cost.switch if batch != shape_before else 0.0
         one = max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
-        return one + (self._overhead.value if self._overhead.weight > 0 else 0.0)
+        return one + self._overhead.value  # (its prior, 0, before any such step)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator, penalties: StepPenalties | None

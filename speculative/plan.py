@@ -77,11 +77,11 @@ class StepPlan:
     @classmethod
     def scored_by(cls, tree: DraftTree, drafter: Drafter, kind: StepKind, scorer: Scorer,
                   skip: frozenset[int] = frozenset(), guesses: tuple[Path, Path] | None = None,
-                  ) -> StepPlan:
+                  alternatives: tuple[Alternative, ...] = ()) -> StepPlan:
         """A tree whose nodes ``scorer`` scored, all but the node ids in ``skip``."""
         t = tree.tree
         scored = {t.path(v): (scorer, t.scores[v]) for v in range(1, len(t)) if v not in skip}
-        return cls(tree, drafter, kind, frozenset({scorer}), scored, guesses)
+        return cls(tree, drafter, kind, frozenset({scorer}), scored, guesses, alternatives)
 
 
 @dataclasses.dataclass(slots=True)

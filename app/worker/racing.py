@@ -66,17 +66,16 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
         pooled = [r.run.seconds_until(n) for r in runs]
         while n and min(pooled) < RACE_SECONDS and len(rounds) < MAX_ROUNDS:
             status(f"Race: round {len(rounds) + 2}, for a steadier measure…")
-            seconds = {}
-            order = modes[::-1] if len(rounds) % 2 == 0 else modes
-            for mode in order:
+            seconds = [0.0, 0.0]  # plain's, speculation's (the modes may be the same)
+            for side in ((1, 0) if len(rounds) % 2 == 0 else (0, 1)):
                 run = RunStats()
-                with contextlib.closing(run_once(mode, run)) as timed:
+                with contextlib.closing(run_once(modes[side], run)) as timed:
                     for step in timed:
                         if step.finish == "cancelled":
                             raise RaceStopped
-                seconds[mode] = run.seconds_until(n)
-            rounds.append((seconds[modes[0]], seconds[modes[1]]))
-            pooled = [p + seconds[m] for p, m in zip(pooled, modes, strict=True)]
+                seconds[side] = run.seconds_until(n)
+            rounds.append((seconds[0], seconds[1]))
+            pooled = [p + s for p, s in zip(pooled, seconds, strict=True)]
     finally:
         engine.config = request.settings.spec()
     why = None
