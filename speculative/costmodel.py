@@ -15,6 +15,13 @@ Plain decoding never pays it; a step that alternates
 between drafting and the target alone pays it twice. ``VerifyCost.after(last)`` prices each
 size as the step after a batch of ``last`` tokens sees it.
 
+A pass also costs more the longer the context its tokens attend to, and not alike for every
+batch size: the attention over the cached context is a larger share of a single token's pass
+than of a wide batch's, so the longer the conversation, the relatively cheaper a tree. The
+curve is timed after a short prefix, and again at a few sizes after a long one; the
+difference, a line in the batch size per token of context (``per_context``), moves the curve
+to the step's context (``VerifyCost.at``).
+
 Exactness: greedy verification is exact for any tree, so greedy steps choose N from their own
 scores. A sampled step must not choose its shape from its own drawn tokens (that would bias
 which draws get verified), so it uses the previous step's scores, drawn independently.
@@ -49,10 +56,25 @@ class VerifyCost:
     seconds: tuple[float, ...]
     switch: float = 0.0  # seconds to build the compute graph of a new batch shape
     last: int | None = None  # the previous batch's size; None: shapes are not priced
+    context: int = 0  # tokens of context before the batches ``seconds`` were timed after
+    # (a, b): seconds each further token of context adds to a batch of n tokens, a + b * n
+    per_context: tuple[float, float] = (0.0, 0.0)
 
-    def after(self, last: int) -> VerifyCost:
-        """This curve as seen by the batch after one of ``last`` tokens."""
+    def after(self, last: int | None) -> VerifyCost:
+        """This curve as seen by the batch after one of ``last`` tokens (None: unpriced)."""
         return dataclasses.replace(self, last=last)
+
+    def at(self, context: int) -> VerifyCost:
+        """This curve after ``context`` tokens of context (a shorter context than the one
+        timed is priced as that one: llama.cpp attends over a padded block of cache cells,
+        so short contexts cost alike)."""
+        a, b = self.per_context
+        extra = max(context - self.context, 0)
+        if extra == 0 or (a == 0.0 and b == 0.0):
+            return self if context <= self.context else dataclasses.replace(self, context=context)
+        seconds = tuple(t + extra * max(a + b * n, 0.0)
+                        for n, t in zip(self.sizes, self.seconds, strict=True))
+        return dataclasses.replace(self, seconds=seconds, context=context)
 
     def __call__(self, n: int) -> float:
         if self.last is not None and n != self.last:
@@ -76,6 +98,9 @@ class VerifyCost:
 
 DENSE_UP_TO = 8  # every batch size up to this one is measured; beyond it, every 4th
 ROUNDS = 3       # timings of each size, taken in rounds across all sizes
+PREFIX = 64      # tokens of context the curve is timed after
+FAR = 512        # ... and the few sizes that measure what a longer context adds
+FAR_SIZES = (1, 2, 4, 8)  # (and the largest): enough for a line in the batch size
 
 
 def curve_sizes(max_tokens: int) -> list[int]:
@@ -87,28 +112,66 @@ def curve_sizes(max_tokens: int) -> list[int]:
     return sorted({*dense, *sparse, max_tokens})
 
 
-def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = 64,
-                        rounds: int = ROUNDS) -> VerifyCost:
+def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = PREFIX,
+                        rounds: int = ROUNDS, far: int = FAR) -> VerifyCost:
     """Time one-batch decodes of every size in ``curve_sizes`` after ``prefix`` tokens, each
     after a batch of the same size (the first decode of a shape builds its graph), and the
     switch cost: what batches of 1 and 2 tokens take beyond that when they alternate. The
     sizes are timed in ``rounds`` passes over all of them and each size's median kept, so a
     change in the machine's load during the measurement shifts every size alike instead of
-    bending the curve (what decides a tree's size is the ratio of the sizes' costs). Leaves
-    the context empty."""
+    bending the curve (what decides a tree's size is the ratio of the sizes' costs). In the
+    same rounds, a few sizes are timed after ``far`` tokens (where the context allows one
+    clearly longer than ``prefix``): what each token of context adds (``per_context``).
+    Leaves the context empty."""
     sizes = [n for n in curve_sizes(max_tokens) if n <= min(ctx.n_batch, ctx.n_ctx - 1)]
     prefix = max(1, min(prefix, ctx.n_ctx - sizes[-1], ctx.n_batch))
+    far = min(far, ctx.n_ctx - sizes[-1])
+    far_sizes = [n for n in sizes if n in FAR_SIZES or n == sizes[-1]] if far >= 2 * prefix else []
     ctx.clear()
-    ctx.decode([0] * prefix, list(range(prefix)), [[0]] * prefix, False)
+    _fill(ctx, 0, prefix)
     times: dict[int, list[float]] = {n: [] for n in sizes}
+    far_times: dict[int, list[float]] = {n: [] for n in far_sizes}
     for _ in range(rounds):
         for n in sizes:
             _timed_decode(ctx, prefix, n)  # after a batch of another size: not the curve
             times[n].append(_timed_decode(ctx, prefix, n))
+        if far_sizes:
+            ctx.seq_rm(0, prefix, -1)
+            _fill(ctx, prefix, far)
+            for n in far_sizes:
+                _timed_decode(ctx, far, n)
+                far_times[n].append(_timed_decode(ctx, far, n))
+            ctx.seq_rm(0, prefix, -1)
     seconds = [float(np.median(times[n])) for n in sizes]
+    # each round's far timing against the same round's (the machine's load of the moment)
+    slopes = {n: float(np.median(np.subtract(far_times[n], times[n]))) / (far - prefix)
+              for n in far_sizes}
     switch = _measure_switch(ctx, prefix, 2 * rounds + 2) if len(sizes) > 1 else 0.0
     ctx.clear()
-    return VerifyCost(tuple(sizes), tuple(seconds), switch)
+    return VerifyCost(tuple(sizes), tuple(seconds), switch, context=prefix,
+                      per_context=_line(slopes))
+
+
+def _fill(ctx: Context, start: int, end: int) -> None:
+    """Decode filler tokens at positions start..end-1, in batches llama.cpp accepts."""
+    for s in range(start, end, ctx.n_batch):
+        k = min(ctx.n_batch, end - s)
+        ctx.decode([0] * k, list(range(s, s + k)), [[0]] * k, False)
+
+
+def _line(slopes: dict[int, float]) -> tuple[float, float]:
+    """(a, b) of the least-squares line a + b * n through the slopes measured at batch sizes
+    n; a line that would make some measured size's context cheaper with more context (timing
+    noise) gives way to the slopes' mean (and no slope is below 0)."""
+    if not slopes:
+        return 0.0, 0.0
+    n = np.array(list(slopes), dtype=float)
+    y = np.array(list(slopes.values()))
+    if len(n) > 1:
+        b, a = np.polyfit(n, y, 1)
+        if a + b * n.min() >= 0.0 and a + b * n.max() >= 0.0:
+            return float(a), float(b)
+    return max(float(y.mean()), 0.0), 0.0
 
 
 def _timed_decode(ctx: Context, prefix: int, n: int) -> float:
@@ -152,11 +215,12 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     path = path or cache_path()
     # the sizes name how the curve is measured: a cache of another way of measuring is stale
     sizes = curve_sizes(max_tokens)
-    digest = hashlib.sha256(f"{key}|{max_tokens}|{sizes}|{ROUNDS}".encode()).hexdigest()[:24]
+    how = f"{key}|{max_tokens}|{sizes}|{ROUNDS}|{PREFIX}|{FAR}|{FAR_SIZES}"
+    digest = hashlib.sha256(how.encode()).hexdigest()[:24]
     entries = _read_cache(path)
     hit = entries.get(digest)
-    if hit is not None and "switch" in hit and not refresh:  # (no "switch": an older cache)
-        cached = VerifyCost(tuple(hit["sizes"]), tuple(hit["seconds"]), hit["switch"])
+    cached = _from_entry(hit) if hit is not None and not refresh else None
+    if cached is not None:
         if plausible(cached):
             return cached
         log.info("cached decode costs %s are implausible: measuring again", cached.seconds)
@@ -164,7 +228,8 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     if not plausible(cost):
         return cost  # used for this run, never remembered
     entries[digest] = {"sizes": list(cost.sizes), "seconds": list(cost.seconds),
-                       "switch": cost.switch, "measured": time.time()}
+                       "switch": cost.switch, "context": cost.context,
+                       "per_context": list(cost.per_context), "measured": time.time()}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -199,6 +264,15 @@ def _measure_plausible(ctx: Context, max_tokens: int) -> VerifyCost:
         log.warning("decode costs %s look disturbed (attempt %d of %d)",
                     [round(t * 1000, 2) for t in cost.seconds], attempt, MEASURE_ATTEMPTS)
     return cost
+
+
+def _from_entry(entry: dict) -> VerifyCost | None:
+    """A cached curve; None for an entry missing what is measured now (an older cache)."""
+    try:
+        return VerifyCost(tuple(entry["sizes"]), tuple(entry["seconds"]), entry["switch"],
+                          context=entry["context"], per_context=tuple(entry["per_context"]))
+    except (KeyError, TypeError, ValueError):
+        return None
 
 
 def _read_cache(path: Path) -> dict:

@@ -137,8 +137,10 @@ class Engine:
         run = run if run is not None else RunStats()
         run.mode, run.prompt_tokens = self.config.mode.value, len(committed)
         rng = np.random.default_rng(params.seed)
-        if self.config.mode is not Mode.PLAIN and (self.config.adaptive
-                                                   or self.config.mode is Mode.AUTO):
+        # adaptive modes size by the curves; known curves also price the meter's plain time
+        if self.config.mode is not Mode.PLAIN and (
+                self.config.adaptive or self.config.mode is Mode.AUTO
+                or self.res.verify_cost is not None):
             self.measure_cost()
         if self.planner is not None:
             self.planner.new_text(params.greedy)
@@ -217,10 +219,10 @@ class Engine:
         res, policy = self.res, self._policy(config.mode)
         penalties = self._penalties(params, committed)
         last_shape = res.target.last_batch
-        if res.sizer is not None and res.verify_cost is not None:
-            # priced after a batch shaped like the last one: leaving the target alone for a
-            # tree, and coming back, each build a graph
-            res.sizer.target = res.verify_cost.after(res.target.last_batch)
+        if res.sizer is not None:
+            # at this context, priced after a batch shaped like the last one: leaving the
+            # target alone for a tree, and coming back, each build a graph
+            res.sizer.locate(len(committed), res.target.last_batch)
         step = StepInput(committed, config, self._fit(config, committed), params, rng, penalties)
         try:
             plan = policy.plan(step)
@@ -257,9 +259,9 @@ class Engine:
         if batch == 1:
             self._overhead.add(t_rest)
             return t_verify + t_rest
-        cost = self.res.verify_cost
-        if cost is None:
+        if self.res.sizer is None:
             return 0.0
+        cost = self.res.sizer.curve  # at this step's context
         switch = cost.switch if batch != shape_before else 0.0
         one = max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
         return one + self._overhead.value  # (its prior, 0, before any such step)

@@ -180,9 +180,11 @@ class Resources:
         only where it is worth its place in the draft batch (adaptive)."""
         assert self.draft is not None
         lookahead = self.ngram if staged else None
-        if not (config.adaptive and self.draft_cost is not None and lookahead is not None):
+        sizer = self.sizer
+        if not (config.adaptive and sizer is not None and sizer.draft is not None
+                and lookahead is not None):
             return ModelDrafter(self.draft, lookahead, config.lookahead)
-        cost, hit_rate = self.draft_cost, self.calibrations.stage2.factor
+        cost, hit_rate = sizer.draft, self.calibrations.stage2.factor  # at this step's context
 
         def worth(batch: int, most: int) -> int:  # guess tokens worth their draft cost
             return guess_length(cost, batch, most, hit_rate)
@@ -226,10 +228,10 @@ class Resources:
         would be cut away, every expansion costs a query and the penalties along its path,
         and where the curve has free slots (``least_worth`` 0) nothing else would stop the
         growth."""
-        assert self.sizer is not None and self.verify_cost is not None
+        assert self.sizer is not None
         factor = self.calibrations.factor(Scorer.NGRAM)
         least = self.sizer.least_worth() / factor
-        cost = self.verify_cost
+        cost = self.sizer.curve
         alone = max(cost.curve(2) / cost.curve(1) - 1.0, 0.0) / factor
 
         def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
@@ -258,10 +260,11 @@ class Resources:
             most: int | None = None) -> DraftTree:
         """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
         least 1, at most ``most``)."""
-        # the curve alone, not priced by the last batch's shape: a tree's size settles over
-        # steps, and a step that paid to change it would keep paying to keep it small
-        assert self.verify_cost is not None
-        n = max(best_size(basis, self.verify_cost, t_draft, factor), 1)
+        # the curve at this context alone, not priced by the last batch's shape: a tree's
+        # size settles over steps, and a step that paid to change it would keep paying to
+        # keep it small
+        assert self.sizer is not None
+        n = max(best_size(basis, self.sizer.curve, t_draft, factor), 1)
         return draft.best(n if most is None else min(n, most))
 
 
@@ -334,7 +337,7 @@ class TreePolicy:
                   else res.worth_growing() if sized and self.mode is Mode.NGRAM else None)
         draft = grow(drafter, step, expand)
         scorer = scorer_of(drafter)
-        if config.adaptive and res.verify_cost is not None:
+        if config.adaptive and res.sizer is not None:
             draft = res.right_size(draft, scorer, drafting_time(drafter), step.params)
         kind = (StepKind.DRAFT if drafter.counters.calls else
                 StepKind.GUESSES if len(draft.tree) > 1 else StepKind.ROOT)

@@ -32,13 +32,29 @@ class Sizer:
     """The two cost curves and running estimates of the draft's confidence and the loop's
     overhead: what the adaptive modes size their draft batches and trees by."""
 
-    target: VerifyCost  # priced after the last batch's shape: the engine sets it at each step
-    draft: VerifyCost | None
+    # the curves as measured; ``locate`` moves them to each step's context
+    measured_target: VerifyCost
+    measured_draft: VerifyCost | None
     # seconds per step outside the target and the draft (Python bookkeeping), running
     steps_overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
     # the draft's probability of its best child at an expanded node (its confidence)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
-    least: float | None = None  # least_worth, once computed (the curve does not change)
+    # the step's: the target's curve at its context (``curve``), that curve priced after the
+    # last batch's shape (``target``), and the draft's at its context
+    curve: VerifyCost = dataclasses.field(init=False)
+    target: VerifyCost = dataclasses.field(init=False)
+    draft: VerifyCost | None = dataclasses.field(init=False)
+
+    def __post_init__(self) -> None:
+        self.locate(0, None)
+
+    def locate(self, context: int, last: int | None) -> None:
+        """Price the coming step: after ``context`` tokens of context and, for the target, a
+        batch of ``last`` tokens (None: shapes unpriced)."""
+        self.curve = self.measured_target.at(context)
+        self.target = self.curve.after(last)
+        self.draft = (self.measured_draft.at(context) if self.measured_draft is not None
+                      else None)
 
     @property
     def overhead(self) -> float:
@@ -95,8 +111,6 @@ class Sizer:
         second, and a node adds its acceptance probability in tokens for the cost of one more
         batch token, so below this no node pays; where batches are nearly free, almost any
         node does."""
-        if self.least is None:
-            curve = self.target.curve
-            cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
-            self.least = max(cheapest, 0.0) / curve(1)
-        return self.least
+        curve = self.curve.curve
+        cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
+        return max(cheapest, 0.0) / curve(1)

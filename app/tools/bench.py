@@ -130,6 +130,8 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
                    ngram_path, ngram_optional=args.ngram is None) as pair:
         cost = pair.measure_costs(spec)
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
+        report["cost_context"] = {"target": _context(cost[0]),
+                                  "draft": _context(cost[1]) if cost[1] else None}
         progress = Progress(sum(len(p) for p in sets.values()) * len(chosen) * args.repeats
                             * (len(modes) + 2))
         for sampling in chosen:
@@ -332,6 +334,17 @@ def _ms(cost: VerifyCost) -> dict[str, float]:
     return {str(n): round(t * 1000, 3) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
 
 
+CONTEXT_STEP = 256  # tokens of context the report states the curve's growth per
+
+
+def _context(cost: VerifyCost) -> dict[str, Any]:
+    """The context the curve was timed after, and what each further 256 tokens add (ms) to a
+    batch of each measured size."""
+    a, b = cost.per_context
+    return {"after": cost.context, f"ms_per_{CONTEXT_STEP}": {
+        str(n): round(CONTEXT_STEP * max(a + b * n, 0.0) * 1000, 3) for n in cost.sizes}}
+
+
 class Progress:
     """One line on stderr: how far the benchmark is."""
 
@@ -359,6 +372,13 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
     one = t["1"]
     lines.append("target cost(n) ms: " + "  ".join(
         f"{n}: {ms:.1f} ({ms / one:.2f})" for n, ms in t.items()))
+    grows = (report.get("cost_context") or {}).get("target")
+    if grows:
+        per = grows[f"ms_per_{CONTEXT_STEP}"]
+        shown = ("1", "4", max(per, key=int))
+        lines.append(f"target cost(n) timed after {grows['after']} tokens; each further "
+                     f"{CONTEXT_STEP} add ms: "
+                     + "  ".join(f"{n}: {ms:.1f}" for n, ms in per.items() if n in shown))
     if report["cost_ms"]["draft"]:
         d = report["cost_ms"]["draft"]
         lines.append("draft  cost(n) ms: " + "  ".join(f"{n}: {ms:.2f}" for n, ms in d.items()))

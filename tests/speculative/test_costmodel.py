@@ -49,6 +49,21 @@ def test_best_size_follows_the_hardware() -> None:
     assert best_size(scores, linear, 0.0, 0.1) < n  # a draft that over-promises gets less
 
 
+def test_a_longer_context_moves_the_curve_and_flattens_it() -> None:
+    """Each token of context adds a + b * n seconds to a batch of n: after a long context a
+    pass costs more and a tree relatively less, so more nodes pay; a context no longer than
+    the one timed is priced as timed."""
+    cost = VerifyCost((1, 2, 4, 8), (1.0, 1.6, 2.4, 4.0), context=64, per_context=(0.01, 0.0))
+    assert cost.at(10) == cost.at(64) == cost
+    far = cost.at(164)  # one more second for every batch size
+    assert far.seconds == pytest.approx((2.0, 2.6, 3.4, 5.0)) and far.context == 164
+    assert far.curve(2) / far.curve(1) < cost.curve(2) / cost.curve(1)
+    scores = [0.7, 0.5, 0.4, 0.3, 0.2]
+    assert best_size(scores, far, 0.0, 1.0) > best_size(scores, cost, 0.0, 1.0)
+    wide = VerifyCost((1, 8), (1.0, 4.0), context=64, per_context=(0.0, 0.01))
+    assert wide.at(164).seconds == pytest.approx((2.0, 12.0))  # b: per batch token
+
+
 def test_calibration_tracks_accepted_over_predicted() -> None:
     cal = Calibration()
     assert cal.factor == 1.0
@@ -101,6 +116,27 @@ def test_a_load_change_mid_measurement_does_not_bend_the_curve() -> None:
     cost = measure_verify_cost(ctx, 8, rounds=3)
     ratio = cost.curve(8) / cost.curve(1)
     assert ratio == pytest.approx(10 / 3, rel=0.2)  # (8 + 2) / (1 + 2), calm or busy alike
+
+
+class _Attending(FakeContext):
+    """Decodes that take 1 ms a token plus 2 ms, plus 0.1 ms for every cell of context the
+    batch attends to (the cells the cache holds)."""
+
+    def decode(self, tokens, *args, **kwargs):
+        time.sleep(0.001 * (len(tokens) + 2) + 0.0001 * len(self.cells))
+        return super().decode(tokens, *args, **kwargs)
+
+
+def test_what_a_longer_context_adds_is_measured() -> None:
+    ctx = _Attending(logit_table(5, seed=0), n_ctx=320, n_batch=64)
+    cost = measure_verify_cost(ctx, 8, prefix=16, rounds=1, far=272)
+    a, b = cost.per_context
+    assert cost.context == 16 and a + 4 * b == pytest.approx(0.0001, rel=0.2)
+    assert cost.at(272).curve(1) == pytest.approx(0.003 + 0.0001 * 272, rel=0.2)
+    assert ctx.cells == []
+    short = measure_verify_cost(_Attending(logit_table(5, seed=0), n_ctx=30, n_batch=16), 8,
+                                prefix=16, rounds=1, far=272)
+    assert short.per_context == (0.0, 0.0)  # no room for a clearly longer context
 
 
 def test_every_small_batch_size_is_measured() -> None:
@@ -184,14 +220,14 @@ def test_decode_costs_are_measured_once_per_model_and_settings(tmp_path) -> None
     assert other.decodes > 0  # another key: measured
     cache.write_text("not json")
     assert cached_verify_cost(ctx, 8, cache).sizes == first.sizes  # a broken cache is remeasured
-    import json  # an entry cached before switches were measured is measured again
+    import json  # an entry cached before context costs were measured is measured again
     entries = json.loads(cache.read_text())
     for entry in entries.values():
-        del entry["switch"]
+        del entry["per_context"]
     cache.write_text(json.dumps(entries))
     decodes = ctx.decodes
     assert cached_verify_cost(ctx, 8, cache).switch >= 0.0 and ctx.decodes > decodes
-    assert all("switch" in entry for entry in json.loads(cache.read_text()).values())
+    assert all("per_context" in entry for entry in json.loads(cache.read_text()).values())
 
 
 def test_measuring_a_real_context_with_its_switches_leaves_it_empty(tiny_models) -> None:
@@ -201,8 +237,9 @@ def test_measuring_a_real_context_with_its_switches_leaves_it_empty(tiny_models)
 
     with LlamaModel(tiny_models["q8_0-target"]) as m, \
             LlamaContext(m, ContextConfig(n_ctx=64, n_batch=16, n_threads=1)) as ctx:
-        cost = measure_verify_cost(ctx, 4)
+        cost = measure_verify_cost(ctx, 4, prefix=8, far=56)
         assert cost.switch >= 0.0 and ctx.seq_pos_max(0) == -1
+        assert cost.context == 8 and min(cost.per_context) > -1.0  # measured, finite
 
 
 def test_real_contexts_name_what_their_cost_depends_on(tiny_models) -> None:

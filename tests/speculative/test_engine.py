@@ -3,6 +3,8 @@ changed mid-generation, cancel, context limits. (Real llama.cpp: test_oracle.py.
 
 from __future__ import annotations
 
+import dataclasses
+
 import numpy as np
 import pytest
 
@@ -327,6 +329,51 @@ def test_the_estimated_speedup_follows_the_load_of_the_moment() -> None:
     assert all(s.batch == s.drafted + 1 for s in tree.steps)
     # a figure timed earlier at another load is only the fallback for steps without a curve
     assert tree.estimated_speedup(123.0) == tree.estimated_speedup()
+
+
+class AttendingContext(LoadedContext):
+    """A fake target whose passes also take 0.05 ms for every cell of context they attend to."""
+
+    PER_CELL = 0.00005
+
+    def decode(self, tokens, positions, seq_ids, logits=True):
+        import time
+
+        time.sleep(self.PER_CELL * len(self.cells))
+        return super().decode(tokens, positions, seq_ids, logits)
+
+
+def test_the_estimated_speedup_holds_in_a_long_context() -> None:
+    """After a long context every pass costs more by the same time, so a tree's pass scaled by
+    the curve timed after a short one would make plain look cheaper than it is: the meter reads
+    the curve moved to the step's context."""
+    def estimate(per_context: float) -> tuple[float, float]:
+        target = AttendingContext(TARGET, n_ctx=256)
+        ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
+        engine = Engine(target, FakeContext(DRAFT, n_ctx=256), ngram,
+                        SpecConfig(mode=Mode.PLAIN, tree=TreeBudget(8, 4, 2)))
+        engine.verify_cost = dataclasses.replace(LoadedContext.CURVE, context=0,
+                                                 per_context=(per_context, 0.0))
+        engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+        prompt = list(np.random.default_rng(5).integers(0, V, 160))
+
+        def timed(mode: Mode) -> RunStats:
+            engine.config = SpecConfig(mode=mode, tree=TreeBudget(8, 4, 2), adaptive=False)
+            run = RunStats()
+            _generate(engine, prompt, 30, run=run)
+            return run
+
+        timed(Mode.PLAIN)
+        runs = [timed(mode) for _ in range(2) for mode in (Mode.PLAIN, Mode.TREE)]
+        plain, tree = runs[0::2], runs[1::2]  # alternating: the machine's noise pooled alike
+        seconds = [sum(r.seconds for r in rs) / sum(r.tokens for r in rs) for rs in (plain, tree)]
+        return float(np.mean([r.estimated_speedup() for r in tree])), seconds[0] / seconds[1]
+
+    estimated, side_by_side = estimate(AttendingContext.PER_CELL)
+    # (the fake's own Python time grows with batch times context, which no curve models)
+    assert estimated == pytest.approx(side_by_side, rel=0.15)
+    blind, side_by_side = estimate(0.0)  # the curve of a short context, wherever it is
+    assert blind < 0.85 * side_by_side
 
 
 @pytest.mark.parametrize("mode", [Mode.TREE, Mode.STAGED])
