@@ -13,10 +13,12 @@ the target alone on the same steps (see below; decayed, the text's difficulty dr
 fastest runs. The others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles
 while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is
 tried first. The
-draft's catching up on text it skipped while other kinds ran is left out of the draft's rate
-measured apart (a cost of switching, not of the kind) but counted in its speed on the same
-steps (what drafting costs as ``auto`` uses it: alternating between two kinds about as fast
-pays it at every switch) and in the regret below.
+draft's catching up on text it skipped while other kinds ran is left out of the draft's
+measured speed (a cost of switching, not of the kind: a kind explored one step at a time
+would pay it at every step) and priced where switching is decided: the kind that has been
+running stays the fastest against one that must catch up until the measured difference, over
+the steps the new kind would run, repays the catching up (two kinds about as fast would
+otherwise alternate and pay it at every switch). It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
@@ -64,6 +66,7 @@ MAX_BACKOFF = 16    # at most this many times longer while explorations keep los
 EXPLORE_SHARE = 0.02  # time auto may lose to exploring, as a share of its time
 EXPLORE_START = 200   # plain steps' time a fresh planner counts as spent (2 steps to lose)
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
+HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
 
 
 @dataclasses.dataclass(slots=True)
@@ -165,6 +168,9 @@ class Planner:
     greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
     regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens
+    held: StepKind | None = None  # the kind ``fastest`` named after the last step
+    # seconds a kind must spend catching up before its next step (the draft: ``choose``'s risks)
+    catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
 
     # --- questions (they change nothing) ---
 
@@ -181,6 +187,11 @@ class Planner:
         if root.steps > 0 and root.value > 0:
             return 1.0 / root.value
         return self.sizer.target.curve(1)
+
+    def runs_first(self, kind: StepKind) -> bool:
+        """Whether a new reply's first steps will likely be of ``kind``: the fastest so far,
+        or, not yet measured, to be measured."""
+        return not self.rates[kind].measured or self.held is kind
 
     def within_budget(self, risk: float = 0.0) -> bool:
         """Whether the regret so far leaves room to explore a step that may lose up to ``risk``
@@ -204,9 +215,22 @@ class Planner:
         return rate / root if root > 0 else rate * self.plain_seconds()
 
     def fastest(self, kinds: Sequence[StepKind]) -> StepKind | None:
-        """The measured kind of ``kinds`` with the highest ``speed``, or None."""
+        """The measured kind of ``kinds`` with the highest ``speed``, or None; but the kind
+        that has been running (``held``) stays the fastest against one that must catch up
+        first (the draft, on the text it skipped: ``catch_up``) until the switch pays: the
+        catching up costs its seconds at once, the speed difference gains only over the
+        steps the new kind then runs (``HOLD_STEPS`` at least, before anything is explored
+        again). Two kinds about as fast would otherwise alternate with the noise of their
+        measured speeds, and the draft would catch up at every switch."""
         measured = [k for k in kinds if self.rates[k].measured]
-        return max(measured, key=self.speed) if measured else None
+        if not measured:
+            return None
+        top = max(measured, key=self.speed)
+        held = self.held
+        if held is None or held is top or held not in measured:
+            return top
+        gain = (1.0 - self.speed(held) / self.speed(top)) * HOLD_STEPS * self.plain_seconds()
+        return top if gain > self.catch_up.get(top, 0.0) else held
 
     def choose(self, kinds: Sequence[StepKind],
                risks: Mapping[StepKind, float] | None = None) -> StepKind:
@@ -239,7 +263,7 @@ class Planner:
         (sampled trees accept far less than greedy ones)."""
         if self.greedy is not None and greedy != self.greedy:
             self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
-            self.pairs = {}
+            self.pairs, self.held = {}, None
         self.greedy = greedy
 
     def observe_step(self, kind: StepKind, tokens: int, seconds: float,
@@ -255,10 +279,10 @@ class Planner:
         ran = max(seconds - switch, 1e-9)
         self.rates[kind].add(tokens, ran)
         for alt, alt_tokens, alt_seconds in alternatives:
-            # the whole step, catching up included: switching back and forth between kinds
-            # that are about as fast pays the draft's catching up each time, and a kind's
-            # speed on the same steps must show what it costs as ``auto`` uses it
-            self.pairs.setdefault((kind, alt), Paired()).add(tokens, seconds, alt_tokens,
+            # catching up left out here too: a kind explored one step at a time would pay it
+            # at every step and never look as fast as it runs; switching is priced where it
+            # is decided (``fastest`` holds the running kind until a switch pays)
+            self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
                                                              alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
@@ -269,6 +293,12 @@ class Planner:
             # an exploration: wait longer before the next while this kind loses
             lost = self.speed(kind) < self.speed(best)
             self.every[kind] = _backoff(self.every[kind], lost)
+        self.held = self.fastest(list(StepKind))
+
+    def observe_catch_up(self, seconds: Mapping[StepKind, float]) -> None:
+        """What switching to each kind would cost before its next step (the draft's catching
+        up on the text it skipped), as the text stands now."""
+        self.catch_up = dict(seconds)
 
     def observe_ngram(self, offered: int, accepted: int) -> None:
         """A chain of ``offered`` n-gram guesses of which the first ``accepted`` were kept."""
@@ -300,6 +330,7 @@ class AutoPolicy:
         if res.draft is not None and planner.sizer.draft is not None:
             behind = res.draft.behind(step.committed)
             risks[StepKind.DRAFT] = planner.sizer.draft.curve(behind) if behind > 1 else 0.0
+        planner.observe_catch_up(risks)
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
             return StepPlan.alone(step.root)

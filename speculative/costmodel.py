@@ -59,6 +59,11 @@ class VerifyCost:
     context: int = 0  # tokens of context before the batches ``seconds`` were timed after
     # (a, b): seconds each further token of context adds to a batch of n tokens, a + b * n
     per_context: tuple[float, float] = (0.0, 0.0)
+    # seconds per token beyond the table (``tail_slope``), computed once per curve
+    tail: float = dataclasses.field(init=False, default=0.0, compare=False, repr=False)
+
+    def __post_init__(self) -> None:
+        object.__setattr__(self, "tail", self.tail_slope())
 
     def after(self, last: int | None) -> VerifyCost:
         """This curve as seen by the batch after one of ``last`` tokens (None: unpriced)."""
@@ -81,6 +86,19 @@ class VerifyCost:
             return self.curve(n) + self.switch
         return self.curve(n)
 
+    def tail_slope(self) -> float:
+        """Seconds per token beyond the table: the least-squares slope over the sizes in its
+        upper half (the last two sizes alone are one timing's noise apart, and the draft
+        catching up on a long text is priced far beyond them)."""
+        if len(self.sizes) < 2:
+            return 0.0
+        upper = [(n, t) for n, t in zip(self.sizes, self.seconds, strict=True)
+                 if 2 * n >= self.sizes[-1]]
+        if len(upper) < 2:
+            upper = list(zip(self.sizes[-2:], self.seconds[-2:], strict=True))
+        n, t = np.array(upper, dtype=float).T
+        return max(float(np.polyfit(n, t, 1)[0]), 0.0)
+
     def curve(self, n: int) -> float:
         """Seconds for n tokens after a batch of the same shape (no switch)."""
         i = bisect.bisect_left(self.sizes, n)
@@ -88,9 +106,8 @@ class VerifyCost:
             return self.seconds[i]
         if i == 0:
             return self.seconds[0]
-        if i == len(self.sizes):  # beyond the table: extend the last slope
-            (a, b), (ta, tb) = self.sizes[-2:], self.seconds[-2:]
-            return tb + (n - b) * (tb - ta) / (b - a)
+        if i == len(self.sizes):  # beyond the table: extend the slope of its upper half
+            return self.seconds[-1] + (n - self.sizes[-1]) * self.tail
         a, b = self.sizes[i - 1], self.sizes[i]
         ta, tb = self.seconds[i - 1], self.seconds[i]
         return ta + (n - a) * (tb - ta) / (b - a)

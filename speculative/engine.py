@@ -24,7 +24,7 @@ from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
 from .ngram import KatzTrigram
 from .penalties import Penalizer, StepPenalties, penalizer_for
-from .plan import Calibrations, StepPlan
+from .plan import Calibrations, StepKind, StepPlan
 from .policies import (
     Mode,
     Outcome,
@@ -147,11 +147,15 @@ class Engine:
         self._penalizer_for(params)  # the vocabulary's breakers, scanned once, untimed
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
-        if self.config.mode.needs_draft:
+        # auto decodes the prompt into the draft too when its next steps will draft (as the
+        # draft's modes do): that is reading the prompt, not drafting. Otherwise the draft
+        # catches up when it first runs, if it does.
+        if self.config.mode.needs_draft or (
+                self._uses_draft(self.config) and self.planner is not None
+                and self.planner.runs_first(StepKind.DRAFT)):
             self.draft.prepare(committed, max_pending=1)
         elif self._uses_draft(self.config) and len(committed) > self.draft.ctx.n_ctx:
             raise PromptTooLong(len(committed), self.draft.ctx.n_ctx)
-        # (auto: the draft catches up on the prompt when it first runs, if it does)
         run.t_prefill = time.perf_counter() - t0
         produced = 0
         while produced < max_new_tokens:

@@ -22,6 +22,9 @@ def test_cost_interpolates_and_extrapolates() -> None:
     assert cost(1) == 1.0 and cost(3) == 2.5 and cost(4) == 3.0
     assert cost(6) == pytest.approx(4.0)  # the last slope, 0.5 per token
     assert cost(0) == 1.0
+    # a noisy last timing does not set the slope for a long text (the draft catching up)
+    noisy = VerifyCost((1, 8, 12, 16, 20, 21), (1.0, 3.0, 4.0, 5.0, 6.0, 8.0))
+    assert noisy(121) < 8.0 + 100 * 0.5 < 8.0 + 100 * 2.0  # slope 0.25-0.4, not the last 2.0
 
 
 def test_a_new_batch_shape_pays_the_switch() -> None:
