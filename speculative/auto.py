@@ -169,7 +169,7 @@ class Planner:
     elapsed: float = 0.0  # seconds of all steps observed
     regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
-    # seconds a kind must spend catching up before its next step (the draft: ``choose``'s risks)
+    # seconds a kind must spend catching up before its next step (``observe_catch_up``)
     catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
 
     # --- questions (they change nothing) ---

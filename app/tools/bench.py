@@ -237,6 +237,9 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
                 elif greedy:  # a tie of the target's own logits, or not
                     why = explain(pair.target_ctx, prompt, p, o, penalizer)
                     ties += why is not None and why.tie
+        # the app's meter (each step's own counterfactual plain time), pooled like the speedup:
+        # how far it is from the speedup measured side by side in the same run
+        estimates = [p.estimated_speedup() for p in pooled]
         total = sum(len(outs) for outs in cell.outputs[mode])
         degenerate = sum(judge("", toks, pair.target.vocab.detokenize(toks)).degenerate
                          is not None for toks in cell.outputs[mode][0])
@@ -244,6 +247,7 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
             "tokens_per_second": statistics.median(speeds),
             "tokens_per_second_range": [min(speeds), max(speeds)],
             "speedup": statistics.median(ups), "speedup_range": [min(ups), max(ups)],
+            "estimated_speedup": statistics.median(estimates) if all(estimates) else None,
             "tau": everything.tau, "mean_drafted": everything.mean_drafted,
             "draft_calls_per_step": everything.draft_calls_per_step,
             "draft_ms_per_accepted": 1000 * everything.draft_seconds_per_accepted,
@@ -385,14 +389,17 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
     for cell in report["cells"]:
         lines.append("")
         lines.append(f"== {cell['sampling']}, {cell['prompts']} prompts")
-        head = (f"{'mode':<8}{'tok/s':>9}{'speedup':>9}{'range':>13}{'ceiling':>9}{'tau':>6}"
-                f"{'tree':>6}{'draft/pass':>11}{'ms/acc':>8}  {'identical':<10}degenerate")
+        head = (f"{'mode':<8}{'tok/s':>9}{'speedup':>9}{'range':>13}{'meter':>7}{'ceiling':>9}"
+                f"{'tau':>6}{'tree':>6}{'draft/pass':>11}{'ms/acc':>8}  {'identical':<10}"
+                "degenerate")
         lines += [head, "-" * len(head)]
         for mode, s in cell["modes"].items():
             lo, hi = s["speedup_range"]
             share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
+            meter = s.get("estimated_speedup")
+            meter = f"{meter:.2f}x" if meter is not None else "-"
             lines.append(f"{mode:<8}{s['tokens_per_second']:>9.1f}{s['speedup']:>8.2f}x"
-                         f"{lo:>6.2f}-{hi:<5.2f}{share:>9}{s['tau']:>6.2f}"
+                         f"{lo:>6.2f}-{hi:<5.2f}{meter:>7}{share:>9}{s['tau']:>6.2f}"
                          f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}"
                          f"{s['draft_ms_per_accepted']:>8.1f}  "
                          f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
@@ -446,14 +453,16 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
              f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range).", ""]
     for cell in report["cells"]:
         lines += [f"**{cell['sampling']}, {cell['prompts']} prompts**", "",
-                  "| mode | tokens/s | speedup | of ceiling | tau | nodes/pass | draft calls/pass "
-                  "| draft ms/accepted | identical | degenerate |",
-                  "|---|---|---|---|---|---|---|---|---|---|"]
+                  "| mode | tokens/s | speedup | meter | of ceiling | tau | nodes/pass "
+                  "| draft calls/pass | draft ms/accepted | identical | degenerate |",
+                  "|---|---|---|---|---|---|---|---|---|---|---|"]
         for mode, s in cell["modes"].items():
             lo, hi = s["speedup_range"]
             share = f"{s['ceiling_share']:.0%}" if s["ceiling_share"] is not None else "-"
+            meter = s.get("estimated_speedup")
+            meter = f"{meter:.2f}x" if meter is not None else "-"
             lines.append(f"| {mode} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x "
-                         f"({lo:.2f}-{hi:.2f}) | {share} | {s['tau']:.2f} | "
+                         f"({lo:.2f}-{hi:.2f}) | {meter} | {share} | {s['tau']:.2f} | "
                          f"{s['mean_drafted']:.1f} | {s['draft_calls_per_step']:.2f} | "
                          f"{s['draft_ms_per_accepted']:.1f} | "
                          f"{s['identical'] or '-'} | {s['degenerate_outputs']} |")

@@ -6,6 +6,8 @@ import json
 import re
 import sys
 
+import pytest
+
 from app.tools.bench import load_prompts
 from app.tools.cli import main
 
@@ -32,6 +34,9 @@ def test_bench_reports_every_mode_against_plain_with_the_ceiling(tiny_models, tm
         assert s["identical"] == "4/4"  # 2 prompts x 2 repeats, every mode the target's text
         lo, hi = s["speedup_range"]
         assert lo <= s["speedup"] <= hi
+    # the app's meter beside the measured speedup: plain is its own counterfactual
+    assert modes["plain"]["estimated_speedup"] == pytest.approx(1.0, rel=1e-9)
+    assert all(s["estimated_speedup"] > 0 for s in modes.values())
     oracle = modes["oracle"]
     assert oracle["ceiling_share"] == 1.0 and oracle["tau"] > 1.0
     assert modes["tree"]["ceiling_share"] == modes["tree"]["speedup"] / oracle["speedup"]
