@@ -76,7 +76,7 @@ class VerifyCost:
         a, b = self.per_context
         extra = max(context - self.context, 0)
         if extra == 0 or (a == 0.0 and b == 0.0):
-            return self if context <= self.context else dataclasses.replace(self, context=context)
+            return self
         seconds = tuple(t + extra * max(a + b * n, 0.0)
                         for n, t in zip(self.sizes, self.seconds, strict=True))
         return dataclasses.replace(self, seconds=seconds, context=context)
