@@ -6,7 +6,8 @@ kind, the cost model sizes the tree (``speculative.sizing``): a draft batch only
 expected tokens per second beat the step's so far, then the cut that maximises them; greedy, the
 n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's own tree merged
 in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
-measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays.
+measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays: where nothing
+does (a steep cost curve), the step verifies the root alone, and counts as its kind's.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
@@ -341,7 +342,8 @@ class AutoPolicy:
         if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                              res.worth_growing(), step.penalties)
-            tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params)
+            tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params,
+                                  at_least=0)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
                                       alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
@@ -353,12 +355,13 @@ class AutoPolicy:
                                    res.worth_growing(), step.penalties)
             # what a step of the n-gram's tree alone would have verified here
             cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
-                          res.calibrations.factor(Scorer.NGRAM))
+                          res.calibrations.factor(Scorer.NGRAM), at_least=0)
             guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
         drafter = res.model_drafter(step.config, staged=True)
         draft = grow(drafter, step, expand)
         if guesses is None:  # sampled: a node's children must all come from one q
-            draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
+            draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params,
+                                   at_least=0)
             return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
                                       alternatives=(alone,))
         draft, chain = self.add_guesses(draft, step)
@@ -426,7 +429,7 @@ class AutoPolicy:
                 scored[path] = (Scorer.BRANCHES, other.scores[v])
         t_spent = drafting_time(drafter) + ngram.counters.t_stage2
         whole = DraftTree(merged, {})  # scores already calibrated: factor 1
-        cut = self.res.cut(whole, whole.scores(), t_spent, 1.0, budget.max_nodes)
+        cut = self.res.cut(whole, whole.scores(), t_spent, 1.0, budget.max_nodes, at_least=0)
         kept = cut.tree
         names = frozenset(scored[p][0] for p in (kept.path(v) for v in range(1, len(kept)))
                           if p in scored)

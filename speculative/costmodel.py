@@ -2,11 +2,12 @@
 
 Verifying n tokens in one target pass costs ``cost(n)``, which depends on the hardware (on a
 2-core CPU a second token can cost as much as the first; on a GPU 16 cost little more than 1).
-A tree of N drafted nodes is expected to yield ``1 + c * sum(top-N scores)`` tokens, where a node's
-score is the draft's probability of its path and ``c`` calibrates the draft's confidence against
-what the target actually accepted so far. The best N maximises tokens per second:
+A tree of N drafted nodes is expected to yield ``1 + sum(min(1, c * score))`` over its top-N
+nodes, where a node's score is the draft's probability of its path and ``c`` calibrates the
+draft's confidence against what the target actually accepted so far (no node yields more than
+one token, whatever ``c``). The best N maximises tokens per second:
 
-    N* = argmax_N (1 + c * S_N) / (t_draft + cost(N + 1))
+    N* = argmax_N (1 + S_N) / (t_draft + cost(N + 1)),  S_N = sum of the N best min(1, c * score)
 
 A batch whose shape (tokens, sequences, outputs) differs from the context's previous batch also
 pays ``switch``: llama.cpp keeps the compute graph of the last batch only and builds a new one
@@ -59,11 +60,19 @@ class VerifyCost:
     context: int = 0  # tokens of context before the batches ``seconds`` were timed after
     # (a, b): seconds each further token of context adds to a batch of n tokens, a + b * n
     per_context: tuple[float, float] = (0.0, 0.0)
-    # seconds per token beyond the table (``tail_slope``), computed once per curve
-    tail: float = dataclasses.field(init=False, default=0.0, compare=False, repr=False)
+    # the least-squares slope of the table's upper half (``tail_slope``), fitted once per
+    # measured curve: ``at`` moves it exactly (it adds a line in n to every size), so a curve
+    # located at every step never refits
+    fitted_tail: float | None = dataclasses.field(default=None, compare=False, repr=False)
 
     def __post_init__(self) -> None:
-        object.__setattr__(self, "tail", self.tail_slope())
+        if self.fitted_tail is None:
+            object.__setattr__(self, "fitted_tail", self._fit_tail())
+
+    @property
+    def tail(self) -> float:
+        """Seconds per token beyond the table (never negative)."""
+        return max(self.fitted_tail or 0.0, 0.0)
 
     def after(self, last: int | None) -> VerifyCost:
         """This curve as seen by the batch after one of ``last`` tokens (None: unpriced)."""
@@ -79,17 +88,21 @@ class VerifyCost:
             return self
         seconds = tuple(t + extra * max(a + b * n, 0.0)
                         for n, t in zip(self.sizes, self.seconds, strict=True))
-        return dataclasses.replace(self, seconds=seconds, context=context)
+        # the added line's slope b moves the fitted slope by extra * b where no size is
+        # clamped at 0 (the usual case); otherwise fit again
+        clamped = any(a + b * n < 0.0 for n in self.sizes)
+        tail = None if clamped or self.fitted_tail is None else self.fitted_tail + extra * b
+        return dataclasses.replace(self, seconds=seconds, context=context, fitted_tail=tail)
 
     def __call__(self, n: int) -> float:
         if self.last is not None and n != self.last:
             return self.curve(n) + self.switch
         return self.curve(n)
 
-    def tail_slope(self) -> float:
-        """Seconds per token beyond the table: the least-squares slope over the sizes in its
-        upper half (the last two sizes alone are one timing's noise apart, and the draft
-        catching up on a long text is priced far beyond them)."""
+    def _fit_tail(self) -> float:
+        """The least-squares slope over the sizes in the table's upper half (the last two
+        sizes alone are one timing's noise apart, and the draft catching up on a long text
+        is priced far beyond them)."""
         if len(self.sizes) < 2:
             return 0.0
         upper = [(n, t) for n, t in zip(self.sizes, self.seconds, strict=True)
@@ -97,7 +110,7 @@ class VerifyCost:
         if len(upper) < 2:
             upper = list(zip(self.sizes[-2:], self.seconds[-2:], strict=True))
         n, t = np.array(upper, dtype=float).T
-        return max(float(np.polyfit(n, t, 1)[0]), 0.0)
+        return float(np.polyfit(n, t, 1)[0])
 
     def curve(self, n: int) -> float:
         """Seconds for n tokens after a batch of the same shape (no switch)."""
@@ -223,12 +236,12 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     Measuring a large model's curve takes seconds at every start; the curve only changes with
     the file, the threads, the batch size and llama.cpp's build, which ``ctx.cost_key`` names
     (contexts without one are always measured). A cache that cannot be read or written is
-    ignored: the measurement is then simply taken again. A curve that is not ``plausible``
-    (timed on a busy machine) is measured again, and is never cached.
+    ignored: the measurement is then simply taken again. A curve that is not trustworthy
+    (``_measure_trusted``: timed on a busy machine) is measured again, and is never cached.
     """
     key = getattr(ctx, "cost_key", None)
     if key is None:
-        return _measure_plausible(ctx, max_tokens)
+        return _measure_trusted(ctx, max_tokens)[0]
     path = path or cache_path()
     # the sizes name how the curve is measured: a cache of another way of measuring is stale
     sizes = curve_sizes(max_tokens)
@@ -238,15 +251,16 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     hit = entries.get(digest)
     cached = _from_entry(hit) if hit is not None and not refresh else None
     if cached is not None:
-        if plausible(cached):
+        if plausible(cached) or (hit.get("reproduced") and floored(cached)):
             return cached
         log.info("cached decode costs %s are implausible: measuring again", cached.seconds)
-    cost = _measure_plausible(ctx, max_tokens)
-    if not plausible(cost):
+    cost, trusted = _measure_trusted(ctx, max_tokens)
+    if not trusted:
         return cost  # used for this run, never remembered
     entries[digest] = {"sizes": list(cost.sizes), "seconds": list(cost.seconds),
                        "switch": cost.switch, "context": cost.context,
-                       "per_context": list(cost.per_context), "measured": time.time()}
+                       "per_context": list(cost.per_context), "measured": time.time(),
+                       "reproduced": not plausible(cost)}
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -257,13 +271,15 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     return cost
 
 
-MEASURE_ATTEMPTS = 3  # measurements of a curve before an implausible one is used as it is
+MEASURE_ATTEMPTS = 3  # measurements of a curve before an untrusted one is used as it is
+REPRODUCED = 0.15  # two curves whose every cost(n)/cost(1) agrees this closely have one shape
 
 
 def plausible(cost: VerifyCost, slack: float = 0.8) -> bool:
     """Whether no batch costs much less than a smaller one measured before it. A curve that
     says otherwise was timed while something else used the cores (another program, a build),
-    and, cached, would mislead every later choice on this machine."""
+    and, cached, would mislead every later choice on this machine, unless the hardware
+    itself steps that way (``same_shape``)."""
     most = 0.0
     for seconds in cost.seconds:
         if seconds < slack * most:
@@ -272,15 +288,41 @@ def plausible(cost: VerifyCost, slack: float = 0.8) -> bool:
     return True
 
 
-def _measure_plausible(ctx: Context, max_tokens: int) -> VerifyCost:
-    """``measure_verify_cost``, again (up to ``MEASURE_ATTEMPTS`` times) while implausible."""
+def floored(cost: VerifyCost, slack: float = 0.8) -> bool:
+    """Whether no batch costs much less than a single token: a batch is at least one token's
+    work. (A busy core slows single tokens and leaves wider batches, which spread over the
+    other core, looking cheaper than one.)"""
+    return all(t >= slack * cost.seconds[0] for t in cost.seconds)
+
+
+def same_shape(a: VerifyCost, b: VerifyCost, tolerance: float = REPRODUCED) -> bool:
+    """Whether two measurements of one curve agree on every cost(n)/cost(1) within
+    ``tolerance``: the shape is the hardware's, not a disturbance's."""
+    if a.sizes != b.sizes or a.seconds[0] <= 0 or b.seconds[0] <= 0:
+        return False
+    return all(abs((x / a.seconds[0]) / (y / b.seconds[0]) - 1.0) <= tolerance
+               for x, y in zip(a.seconds, b.seconds, strict=True))
+
+
+def _measure_trusted(ctx: Context, max_tokens: int) -> tuple[VerifyCost, bool]:
+    """``measure_verify_cost``, again (up to ``MEASURE_ATTEMPTS`` times) while the curve is
+    not ``plausible``; and whether it can be trusted. llama.cpp's matrix kernels work on
+    tiles of rows, and on some CPUs a batch that fills a tile costs less than one that does
+    not (8 tokens below 5-7): a curve that steps down, measured twice with the same shape and
+    no batch below a single token (``floored``), is the hardware's and is trusted."""
+    previous = None
     for attempt in range(1, MEASURE_ATTEMPTS + 1):
         cost = measure_verify_cost(ctx, max_tokens)
         if plausible(cost):
-            return cost
+            return cost, True
+        if previous is not None and floored(cost) and same_shape(previous, cost):
+            log.info("decode costs %s step down at the same sizes in two measurements: the "
+                     "hardware's tiles", [round(t * 1000, 2) for t in cost.seconds])
+            return cost, True
         log.warning("decode costs %s look disturbed (attempt %d of %d)",
                     [round(t * 1000, 2) for t in cost.seconds], attempt, MEASURE_ATTEMPTS)
-    return cost
+        previous = cost
+    return cost, False
 
 
 def _from_entry(entry: dict) -> VerifyCost | None:
@@ -300,16 +342,37 @@ def _read_cache(path: Path) -> dict:
     return data if isinstance(data, dict) else {}
 
 
+def accepted_estimate(score: float, calibration: float) -> float:
+    """A node's estimated chance of acceptance: its calibrated score, at most 1. The
+    calibration is a ratio over all of a scorer's nodes, and the target accepts a confident
+    scorer's weak nodes more often than their scores say (which lifts the ratio above 1),
+    so the ratio alone would promise its strongest nodes more than one token each."""
+    return min(calibration * score, 1.0)
+
+
 def best_size(scores: Sequence[float], cost: VerifyCost, t_draft: float,
               calibration: float) -> int:
-    """N* for node scores sorted best first (see the module docstring); 0 means plain."""
+    """N* for node scores sorted best first (see the module docstring); 0 means plain.
+
+    Drafting's ``t_draft`` is spent whatever N is. Where the best step still beats the target
+    alone's rate, 1 / cost(1), N* is the one that maximises the step's rate. Where it does
+    not, the step's own rate is too low a bar (a node adding 0.9 tokens for 1.4 passes would
+    raise a step slowed by its drafting): the nodes are then taken only as far as they beat
+    the target alone's rate, the N that maximises ``S_N - (cost(N + 1) - cost(1)) / cost(1)``
+    (tokens gained less the single-token passes they cost; what maximises the rate of a whole
+    reply running at that rate)."""
     best_n, best_rate, total = 0, 1.0 / (t_draft + cost(1)), 0.0
+    totals = [0.0]
     for n, s in enumerate(scores, start=1):
-        total += s
-        rate = (1.0 + calibration * total) / (t_draft + cost(n + 1))
+        total += accepted_estimate(s, calibration)
+        totals.append(total)
+        rate = (1.0 + total) / (t_draft + cost(n + 1))
         if rate > best_rate:
             best_n, best_rate = n, rate
-    return best_n
+    one = cost(1)
+    if best_rate * one >= 1.0 or one <= 0.0:
+        return best_n
+    return max(range(len(totals)), key=lambda n: totals[n] - (cost(n + 1) - one) / one)
 
 
 def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) -> int:

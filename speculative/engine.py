@@ -168,7 +168,10 @@ class Engine:
             tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
             origins = origins[:len(tokens)]
             counts = {o: origins.count(o) for o in ORIGINS}
-            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts)
+            # plain decoding would have stopped at the same token: its time for those only
+            plain = stats.t_plain * len(tokens) / stats.emitted if stats.emitted else 0.0
+            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts,
+                                        t_plain=plain)
             committed += tokens
             produced += len(tokens)
             if finish is None and len(committed) > self._n_ctx(config):
@@ -239,7 +242,9 @@ class Engine:
         batch, shape_before = self.target.last_batch, last_shape
         accepted = self._commit(plan, verdict, slots)
         t3 = time.perf_counter()
-        plain = self._plain_per_token(batch, shape_before, t2 - t1, t3 - t0 - (t2 - t1))
+        drafting = plan.counters.t_draft + plan.counters.t_stage2
+        plain = self._plain_per_token(batch, shape_before, t2 - t1,
+                                      t3 - t0 - (t2 - t1) - drafting)
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
                                 verdict.offered, t0, t1, t2, t3, batch, plain)
         if penalties is not None:
@@ -256,7 +261,8 @@ class Engine:
     def _plain_per_token(self, batch: int, shape_before: int, t_verify: float,
                          t_rest: float) -> float:
         """What one token of plain decoding costs now: a step with the target alone is one
-        (its pass and the rest of its time); any other step's pass of ``batch`` tokens scaled
+        (its pass and the rest of its time outside drafting: ``auto`` may draft a tree and
+        keep none of it); any other step's pass of ``batch`` tokens scaled
         by the cost curve to one token (less the graph switch when the batch's shape changed),
         plus the loop's overhead around a pass with the target alone (the decayed mean of
         such steps'); 0 without a cost curve."""

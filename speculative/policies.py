@@ -243,28 +243,31 @@ class Resources:
         return expand
 
     def right_size(self, draft: DraftTree, scorer: Scorer, t_draft: float,
-                   params: SamplingParams) -> DraftTree:
+                   params: SamplingParams, at_least: int = 1) -> DraftTree:
         """Cut the tree to the size that maximises expected tokens per second (costmodel).
         Greedy: by this step's own scores; sampled: by the last step's of the same scorer
         (independent of this step's draws, which keeps the verified tree's shape free of
-        them)."""
+        them). ``at_least``: see ``cut``."""
         scores = draft.scores()
         basis, t_basis = ((scores, t_draft) if params.greedy
                           else self.previous.get(scorer, ([], 0.0)))
         self.previous[scorer] = (scores, t_draft)
         if not basis:
             return draft
-        return self.cut(draft, basis, t_basis, self.calibrations.factor(scorer))
+        return self.cut(draft, basis, t_basis, self.calibrations.factor(scorer),
+                        at_least=at_least)
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
-            most: int | None = None) -> DraftTree:
+            most: int | None = None, at_least: int = 1) -> DraftTree:
         """``draft`` cut to its best n nodes, n = ``best_size`` of the ``basis`` scores (at
-        least 1, at most ``most``)."""
+        least ``at_least``, at most ``most``). A mode the user chose verifies at least one
+        node, so that its calibration keeps learning; ``auto`` verifies none where none
+        pays (its explorations are what measure the kinds it does not run)."""
         # the curve at this context alone, not priced by the last batch's shape: a tree's
         # size settles over steps, and a step that paid to change it would keep paying to
         # keep it small
         assert self.sizer is not None
-        n = max(best_size(basis, self.sizer.curve, t_draft, factor), 1)
+        n = max(best_size(basis, self.sizer.curve, t_draft, factor), at_least)
         return draft.best(n if most is None else min(n, most))
 
 

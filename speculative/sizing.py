@@ -3,8 +3,8 @@
 A step's goal is the most tokens per second. Its cost is what drafting takes plus one target
 pass over the root and the drafted nodes, ``cost_t(n + 1)``, plus the loop's own overhead; its
 yield is the expected number of tokens, 1 + the summed acceptance probabilities of the verified
-nodes (a node's probability is estimated as ``c * score``: its path probability under whoever
-scored it, calibrated by ``c``, the ratio of accepted tokens to predicted ones so far:
+nodes (a node's probability is estimated as ``min(1, c * score)``: its path probability under
+whoever scored it, calibrated by ``c``, the ratio of accepted tokens to predicted ones so far:
 ``plan.Calibrations``).
 
 To maximise a ratio yield / time, a step takes an extra piece of work only if the piece's own
@@ -22,7 +22,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from .costmodel import Running, VerifyCost
+from .costmodel import Running, VerifyCost, accepted_estimate
 
 LOOKAHEAD = 8  # levels a draft batch's payoff is looked ahead over
 
@@ -70,22 +70,27 @@ class Sizer:
         """How many of the best ``frontier`` nodes (scores, best first) to expand with one
         draft batch; 0 stops drafting. ``scores`` are all drafted nodes' scores so far, and
         drafting has taken ``t_spent`` seconds. A batch must yield more tokens per second
-        than the step does so far, and than ``baseline`` (what another tree offers). With
+        than the step does so far, than the target alone does, and than ``baseline`` (what
+        another tree offers). With
         stage 2, a draft batch also decodes ``guess_width`` guessed tokens and yields
         ``levels_per_call`` levels on average (its own, and the guesses the draft agreed
         with), so a level costs that fraction of a wider batch."""
         if self.draft is None or not frontier or levels_left < 1:
             return 0
         n, now = self.best_cut(scores, t_spent, calibration)
-        p = self.confidence.value * calibration
-        best_m, best_ratio = 0, max(now, baseline)
+        # the chance that a node's best child is accepted too: a probability, at most 1
+        p = min(self.confidence.value * calibration, 1.0)
+        # a batch's extra tokens per extra second must also beat the target alone: the
+        # step's own rate, lowered by what drafting has spent so far, is too low a bar
+        alone = 1.0 / (self.target(1) + self.overhead)
+        best_m, best_ratio = 0, max(now, baseline, alone)
         reach = 0.0
         for m in range(1, len(frontier) + 1):
-            reach += frontier[m - 1]
+            reach += accepted_estimate(frontier[m - 1], calibration)
             gain, nodes = 0.0, n
             call = self.draft(m + round(guess_width)) / max(levels_per_call, 1.0)
             for level in range(1, min(LOOKAHEAD, levels_left) + 1):
-                gain += calibration * reach * p ** level
+                gain += reach * p ** level
                 nodes += m
                 cost = level * call + self.target(nodes + 1) - self.target(n + 1)
                 if cost > 0 and gain / cost > best_ratio:
@@ -98,8 +103,8 @@ class Sizer:
         ordered = sorted(scores, reverse=True)
         best_n, best_rate, total = 0, 1.0 / (t_spent + self.target(1) + self.overhead), 0.0
         for n, s in enumerate(ordered, start=1):
-            total += s
-            rate = (1.0 + calibration * total) / (t_spent + self.target(n + 1) + self.overhead)
+            total += accepted_estimate(s, calibration)
+            rate = (1.0 + total) / (t_spent + self.target(n + 1) + self.overhead)
             if rate > best_rate:
                 best_n, best_rate = n, rate
         return best_n, best_rate

@@ -158,7 +158,7 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
             for k in StepKind:
                 self.idle[k] = 0 if k is kind else self.idle[k] + 1
 
-    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine = _auto(FLAT, CHEAP_DRAFT)
     engine.measure_cost()
     planner = engine.planner = Planted(engine.res.sizer)
     for _ in range(5):
@@ -175,6 +175,39 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
     assert _generate(engine, PROMPTS[5], 12) == _plain(PROMPTS[5], 12)
     # the draft's steps, but for the explorations that were due (the waits went on above)
     assert planner.taken.count(StepKind.DRAFT) >= len(planner.taken) - 2
+
+
+def test_auto_verifies_the_root_alone_where_no_drafted_node_pays() -> None:
+    """Where a second batch token costs more than a whole pass (a steep CPU curve), a node that
+    is at best certain cannot pay for itself: the n-gram's kind, running, verifies the root
+    alone at such steps instead of the one node a chosen mode always keeps, and the steps
+    still count as that kind's. The same planted planner on a flat curve verifies trees."""
+
+    class Planted(Planner):  # the n-gram's kind stays the fastest
+        kinds: list[StepKind] = []  # noqa: RUF012 (the test's record)
+
+        def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                         switch: float = 0.0, alternatives=()) -> None:
+            self.kinds.append(kind)
+
+    steeper = (1.0, 2.4, 3.2, 4.0, 7.0, 13.0)
+    drafted = {}
+    for name, curve in (("steeper", steeper), ("flat", FLAT)):
+        engine = _auto(curve, CHEAP_DRAFT)
+        engine.measure_cost()
+        planner = engine.planner = Planted(engine.res.sizer)
+        for _ in range(5):
+            Planner.observe_step(planner, StepKind.ROOT, 1, 0.01)
+            Planner.observe_step(planner, StepKind.DRAFT, 2, 0.04)
+            Planner.observe_step(planner, StepKind.GUESSES, 3, 0.02)
+        planner.kinds.clear()
+        run = RunStats()
+        for prompt in PROMPTS[4:8]:
+            assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16), name
+        assert set(planner.kinds) == {StepKind.GUESSES}, name
+        drafted[name] = [s.drafted for s in run.steps]
+    assert 0 in drafted["steeper"] and sum(drafted["flat"]) > 2 * sum(drafted["steeper"])
+    assert all(n != 1 for n in drafted["steeper"])  # one node never pays there
 
 
 def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:

@@ -14,6 +14,7 @@ from speculative.costmodel import (
     curve_sizes,
     measure_verify_cost,
 )
+from speculative.sizing import Sizer
 from tests.fakes import FakeContext, logit_table
 
 
@@ -65,6 +66,48 @@ def test_a_longer_context_moves_the_curve_and_flattens_it() -> None:
     assert best_size(scores, far, 0.0, 1.0) > best_size(scores, cost, 0.0, 1.0)
     wide = VerifyCost((1, 8), (1.0, 4.0), context=64, per_context=(0.0, 0.01))
     assert wide.at(164).seconds == pytest.approx((2.0, 12.0))  # b: per batch token
+
+
+def test_a_moved_curve_extends_beyond_its_table_as_a_refitted_one_would() -> None:
+    """``at`` shifts the fitted tail slope instead of refitting at every step: the result is
+    the slope a fit of the moved table gives."""
+    cost = VerifyCost((1, 2, 4, 8, 12, 16), (1.0, 1.6, 2.4, 4.0, 5.1, 6.3), context=64,
+                      per_context=(0.002, 0.0005))
+    for context in (65, 300, 2000):
+        moved = cost.at(context)
+        refitted = VerifyCost(moved.sizes, moved.seconds, context=context)
+        assert moved.tail == pytest.approx(refitted.tail)
+        assert moved.curve(40) == pytest.approx(refitted.curve(40))
+    falling = VerifyCost((1, 8, 16), (1.0, 4.0, 5.0), context=64, per_context=(0.01, -0.002))
+    moved = falling.at(500)  # some sizes clamped at no growth: fitted again
+    assert moved.tail == pytest.approx(VerifyCost(moved.sizes, moved.seconds).tail)
+
+
+def test_no_node_is_expected_to_yield_more_than_one_token() -> None:
+    """A calibration above 1 (the target accepts more than the scores say) never makes a node
+    worth more than one token: where a second batch token costs 1.2 passes, no single node
+    pays, however confident; eight nodes in one tile can."""
+    steep = VerifyCost((1, 2, 4, 8, 9), (1.0, 2.2, 3.0, 3.2, 4.5))
+    assert best_size([0.8], steep, 0.0, 2.0) == 0
+    assert best_size([0.8] * 8, steep, 0.0, 2.0) == 7
+    sizer = Sizer(steep, None)
+    assert sizer.best_cut([0.9], 0.0, 2.0)[0] == 0
+    assert sizer.best_cut([0.9] * 8, 0.0, 2.0)[0] == 7
+
+
+def test_time_spent_drafting_does_not_lower_the_bar_for_a_node() -> None:
+    """After a slow drafting, the step's own rate is low, and a node that adds 0.7 tokens for
+    0.8 of a pass would raise it; but the target alone does better per second: the node is
+    cut. One that adds 0.9 tokens for the same still pays, slow drafting or not."""
+    curve = VerifyCost((1, 2, 4), (1.0, 1.8, 2.6))
+    assert best_size([0.7], curve, 0.0, 1.0) == 0
+    assert best_size([0.7], curve, 2.0, 1.0) == 0
+    assert best_size([0.9], curve, 0.0, 1.0) == 1
+    assert best_size([0.9], curve, 2.0, 1.0) == 1
+    sizer = Sizer(curve, VerifyCost((1, 2, 4), (0.5, 0.6, 0.7)))
+    sizer.confidence.add(0.7)  # the draft's next levels: about 0.6 each
+    # drafting has taken 3 passes: its next batch's tokens must still beat the target alone
+    assert sizer.expand([0.7], [0.7], 3.0, 1.0, levels_left=1) == 0
 
 
 def test_calibration_tracks_accepted_over_predicted() -> None:
@@ -205,6 +248,33 @@ def test_a_curve_timed_on_a_busy_machine_is_measured_again_and_never_cached(tmp_
         entry["seconds"] = [0.02, 0.001, 0.002, 0.004]
     cache.write_text(json.dumps(entries))
     assert plausible(cached_verify_cost(ctx, 8, cache))
+
+
+class _Tiled(_Keyed):
+    """A CPU whose kernels work on tiles of 4 rows and handle the rest one row at a time: a
+    batch that fills its tiles costs less than one a token short (8 below 5-7)."""
+
+    def decode(self, tokens, *args, **kwargs):
+        n = len(tokens)
+        time.sleep(0.002 * (n // 4) + 0.0015 * (n % 4) + 0.001)
+        return FakeContext.decode(self, tokens, *args, **kwargs)
+
+
+def test_a_curve_that_steps_down_at_the_hardwares_tiles_is_trusted_and_cached(tmp_path) -> None:
+    from speculative.costmodel import floored, plausible, same_shape
+
+    cache = tmp_path / "costs.json"
+    ctx = _Tiled(logit_table(6, seed=0), n_ctx=64, n_batch=16)
+    cost = cached_verify_cost(ctx, 8, cache)
+    assert not plausible(cost) and floored(cost)  # 8 tokens cost less than 7, more than 1
+    assert cost.curve(8) < cost.curve(7)
+    decodes = ctx.decodes
+    assert cached_verify_cost(ctx, 8, cache) == cost and ctx.decodes == decodes  # cached
+    # the shapes compared: ratios to one token, so a uniformly slower machine has the same
+    slower = VerifyCost(cost.sizes, tuple(2 * t for t in cost.seconds))
+    assert same_shape(cost, slower)
+    bent = VerifyCost(cost.sizes, (*cost.seconds[:-1], cost.seconds[-1] * 1.5))
+    assert not same_shape(cost, bent)
 
 
 def test_decode_costs_are_measured_once_per_model_and_settings(tmp_path) -> None:
