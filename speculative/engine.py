@@ -168,10 +168,7 @@ class Engine:
             tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
             origins = origins[:len(tokens)]
             counts = {o: origins.count(o) for o in ORIGINS}
-            # plain decoding would have stopped at the same token: its time for those only
-            plain = stats.t_plain * len(tokens) / stats.emitted if stats.emitted else 0.0
-            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts,
-                                        t_plain=plain)
+            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts)
             committed += tokens
             produced += len(tokens)
             if finish is None and len(committed) > self._n_ctx(config):

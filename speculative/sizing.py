@@ -10,9 +10,10 @@ whoever scored it, calibrated by ``c``, the ratio of accepted tokens to predicte
 To maximise a ratio yield / time, a step takes an extra piece of work only if the piece's own
 ratio beats the ratio reached so far. A draft batch expanding the ``m`` best frontier nodes
 costs ``cost_d(m)`` now (a draft forward pass) and more target work later; its expected gain is
-each expanded node's score times the draft's typical confidence in its best child, ``p``, over
-the next levels. Because the target's cost curve is concave (the 2nd token of a batch costs
-more than the 8th), one level alone can look unprofitable while a run of confident levels
+each expanded node's score times the draft's typical confidence in its best child, ``p``, once
+per level below (``s * p ** level``, calibrated like any node's score), over the next levels.
+Because the target's cost curve is concave (the 2nd token of a batch costs more than the
+8th), one level alone can look unprofitable while a run of confident levels
 pays, so the test looks ahead a few levels (``LOOKAHEAD``) and takes the batch if any horizon
 pays. On a GPU or an AMX CPU, where 16 tokens cost little more than one, this drafts deep and
 wide; where a second batch token costs most of a pass, only where the draft is confident.
@@ -78,19 +79,23 @@ class Sizer:
         if self.draft is None or not frontier or levels_left < 1:
             return 0
         n, now = self.best_cut(scores, t_spent, calibration)
-        # the chance that a node's best child is accepted too: a probability, at most 1
-        p = min(self.confidence.value * calibration, 1.0)
         # a batch's extra tokens per extra second must also beat the target alone: the
         # step's own rate, lowered by what drafting has spent so far, is too low a bar
         alone = 1.0 / (self.target(1) + self.overhead)
         best_m, best_ratio = 0, max(now, baseline, alone)
-        reach = 0.0
+        horizon = min(LOOKAHEAD, levels_left)
+        # a frontier node of score s has, ``level`` levels below, a best descendant scoring
+        # about s * confidence ** level, accepted with its calibrated estimate
+        falls = [self.confidence.value ** level for level in range(horizon + 1)]
+        by_level = [0.0] * (horizon + 1)  # the expanded nodes' estimates, level by level
         for m in range(1, len(frontier) + 1):
-            reach += accepted_estimate(frontier[m - 1], calibration)
+            for level in range(1, horizon + 1):
+                by_level[level] += accepted_estimate(frontier[m - 1] * falls[level],
+                                                     calibration)
             gain, nodes = 0.0, n
             call = self.draft(m + round(guess_width)) / max(levels_per_call, 1.0)
-            for level in range(1, min(LOOKAHEAD, levels_left) + 1):
-                gain += reach * p ** level
+            for level in range(1, horizon + 1):
+                gain += by_level[level]
                 nodes += m
                 cost = level * call + self.target(nodes + 1) - self.target(n + 1)
                 if cost > 0 and gain / cost > best_ratio:

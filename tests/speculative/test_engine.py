@@ -367,28 +367,12 @@ def test_the_estimated_speedup_holds_in_a_long_context() -> None:
 
         run(Mode.PLAIN)  # (warm: the loop's overhead around a plain pass is learned)
         plain = float(np.median([step.seconds for step in run(Mode.PLAIN).steps]))
-        tree = [step.t_plain / step.emitted for step in run(Mode.TREE).steps
+        tree = [step.t_plain / (step.accepted + 1) for step in run(Mode.TREE).steps
                 if step.batch > 1]
         return float(np.median(tree)) / plain
 
     assert estimate(AttendingContext.PER_CELL) == pytest.approx(1.0, rel=0.1)
     assert estimate(0.0) < 0.8  # the curve of a short context, wherever it is
-
-
-def test_the_meter_counts_plain_time_only_for_the_tokens_a_step_keeps() -> None:
-    """A step cut short by the token limit keeps fewer tokens than it accepted: plain decoding
-    would have stopped there too, so the step's plain time is that of the tokens kept."""
-    engine = _engine(Mode.TREE, TreeBudget(16, 8, 2), draft=TARGET)
-    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
-    whole = RunStats()
-    _generate(engine, PROMPTS[0], 30, run=whole)
-    per_token = float(np.median([s.t_plain / s.emitted for s in whole.steps[:-1]]))
-    short = RunStats()
-    _generate(engine, PROMPTS[0], 1, run=short)
-    (step,) = short.steps
-    assert step.accepted >= 3 and step.emitted == 1  # the target accepted more than it kept
-    assert step.t_plain < 2 * per_token
 
 
 @pytest.mark.parametrize("mode", [Mode.TREE, Mode.STAGED])
