@@ -35,6 +35,11 @@ def nice_ticks(top: float) -> list[float]:
     return [round(i * step, 10) for i in range(n + 1)]
 
 
+def column_order(samplings: list[str]) -> list[str]:
+    """The panels' columns: greedy first, whatever follows its name (``greedy+penalties``)."""
+    return sorted(dict.fromkeys(samplings), key=lambda s: not s.startswith("greedy"))
+
+
 def speedup_label(x: float) -> str:
     return f"{x:.2f}\u00d7"
 
@@ -43,14 +48,14 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
     """Write the chart of ``report`` (``app.tools.bench``'s) to ``path`` (PNG)."""
     app = QApplication.instance() or QApplication([])  # noqa: F841 (fonts need an app)
     cells = report["cells"]
-    columns = sorted({c["sampling"] for c in cells}, key=lambda s: s != "greedy")
+    columns = column_order([c["sampling"] for c in cells])
     rows = list(dict.fromkeys(c["prompts"] for c in cells))
     modes = [m for c in cells for m in c["modes"] if m not in ("plain", "oracle")]
     modes = list(dict.fromkeys(modes))
     top = max([s["speedup_range"][1] for c in cells for s in c["modes"].values()] + [1.0])
     ticks = nice_ticks(top)
     panel_h = ROW * len(modes) + 66
-    title_h = 54
+    title_h = 72
     width = MARGIN * 2 + len(columns) * (LABEL_W + PANEL_W + MARGIN)
     height = title_h + len(rows) * (panel_h + MARGIN) + MARGIN
     image = QImage(width, height, QImage.Format.Format_ARGB32)
@@ -66,7 +71,9 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
     p.drawText(QRectF(MARGIN, 6, width - 2 * MARGIN, 22), Qt.AlignmentFlag.AlignLeft,
                f"Speedup over plain decoding: target {report['target']}, draft "
                f"{report.get('draft') or 'none'}")
-    p.drawText(QRectF(MARGIN, 26, width - 2 * MARGIN, 22), Qt.AlignmentFlag.AlignLeft,
+    # the host and its curve may be longer than the figure is wide: wrapped, never clipped
+    p.drawText(QRectF(MARGIN, 26, width - 2 * MARGIN, 40),
+               Qt.AlignmentFlag.AlignLeft | Qt.TextFlag.TextWordWrap,
                f"{report['host']['cpu']}, {report['host']['threads']} threads; target "
                f"cost(n)/cost(1) {curve}; median of the repeats, whiskers: min-max")
     for r, prompts in enumerate(rows):
@@ -102,6 +109,8 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         p.setPen(QColor("black"))
         p.drawText(QRectF(x_of(v) - 20, plot.bottom() + 2, 40, 16),
                    Qt.AlignmentFlag.AlignHCenter, f"{v:g}")
+    p.setPen(QPen(PLAIN, 1.5))  # the line at plain decoding's speed, under bars and figures
+    p.drawLine(QPointF(x_of(1.0), plot.top() - 2), QPointF(x_of(1.0), plot.bottom()))
     for i, mode in enumerate(modes):
         s = cell["modes"].get(mode)
         y = plot.top() + 4 + i * ROW
@@ -117,11 +126,12 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         p.drawLine(QPointF(x_of(lo), mid), QPointF(x_of(hi), mid))
         for v in (lo, hi):
             p.drawLine(QPointF(x_of(v), mid - 4), QPointF(x_of(v), mid + 4))
-        p.drawText(QRectF(x_of(max(hi, s["speedup"])) + 4, y, 60, ROW - 6),
-                   Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
-                   speedup_label(s["speedup"]))
-    p.setPen(QPen(PLAIN, 1.5))  # the line at plain decoding's speed
-    p.drawLine(QPointF(x_of(1.0), plot.top() - 2), QPointF(x_of(1.0), plot.bottom()))
+        label = speedup_label(s["speedup"])
+        box_of = QRectF(x_of(max(hi, s["speedup"])) + 4, y, 60, ROW - 6)
+        flags = Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter
+        p.fillRect(p.boundingRect(box_of, flags, label).adjusted(-1, 0, 1, 0),
+                   QColor("white"))  # legible where a grid line or plain's line passes
+        p.drawText(box_of, flags, label)
     oracle = cell["modes"].get("oracle")
     if oracle is not None:  # the ceiling: a free drafter that knows the answer
         pen = QPen(CEILING, 1.5)

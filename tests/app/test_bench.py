@@ -109,10 +109,13 @@ def test_bench_markdown_table(tiny_models, tmp_path, capsys) -> None:
 
 def test_the_chart_reads_like_a_figure() -> None:
     """Round ticks from 0 past the highest whisker; speedups to two decimals."""
-    from app.ui.bench_chart import nice_ticks, speedup_label
+    from app.ui.bench_chart import column_order, nice_ticks, speedup_label
 
     assert nice_ticks(3.53) == [0, 1, 2, 3, 4]
     assert nice_ticks(1.31) == [0, 0.5, 1, 1.5]
     assert nice_ticks(0.94) == [0, 0.2, 0.4, 0.6, 0.8, 1]
     assert nice_ticks(12.3) == [0, 5, 10, 15]
     assert speedup_label(0.937702) == "0.94\u00d7"
+    assert column_order(["sampled+penalties", "greedy+penalties", "sampled+penalties"]) == [
+        "greedy+penalties", "sampled+penalties"]  # greedy on the left, penalties or not
+    assert column_order(["sampled", "greedy"]) == ["greedy", "sampled"]
