@@ -375,6 +375,24 @@ def test_the_estimated_speedup_holds_in_a_long_context() -> None:
     assert estimate(0.0) < 0.8  # the curve of a short context, wherever it is
 
 
+def test_the_meter_counts_plain_time_only_for_the_tokens_a_step_keeps() -> None:
+    """A step cut short by the token limit keeps fewer tokens than it accepted: plain decoding
+    would have stopped there too, so the run's estimate counts plain time for the kept tokens
+    only (the step's ``t_plain`` stays that of its accepted path; ``estimated_speedup``
+    scales it)."""
+    engine = _engine(Mode.TREE, TreeBudget(16, 8, 2), draft=TARGET)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    whole = RunStats()
+    _generate(engine, PROMPTS[0], 30, run=whole)
+    per_token = float(np.median([s.t_plain / (s.accepted + 1) for s in whole.steps]))
+    short = RunStats()
+    _generate(engine, PROMPTS[0], 1, run=short)
+    (step,) = short.steps
+    assert step.accepted >= 3 and step.emitted == 1  # the target accepted more than it kept
+    assert short.estimated_speedup() * short.seconds < 2 * per_token
+
+
 @pytest.mark.parametrize("mode", [Mode.TREE, Mode.STAGED])
 def test_trees_grow_as_big_as_the_cost_curve_pays_for(mode: Mode) -> None:
     """A cheap, accurate drafter (the target itself): on a flat curve (a batch of 32 costs 1.4
