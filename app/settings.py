@@ -27,7 +27,7 @@ log = logging.getLogger(__name__)
 
 REPETITION_LABELS: dict[str, str] = {
     # where a reply's repetition control and min-p come from, in menu order
-    "format": "The chat format's defaults",
+    "format": "The prompt format's defaults",
     "custom": "My settings",
     "off": "Off",
 }
