@@ -9,7 +9,11 @@ Why the context parameters are what they are (see ``../shared/PLATFORM-NOTES.md`
 - ``kv_unified=True``: a token tree shares its ancestors' KV cells across sequences; only the
   unified cache lets one cell belong to several sequences.
 - ``n_ubatch == n_batch``: a tree batch must not be split into micro-batches.
-- flash attention off by default: with it off, Q8_0 tree logits equal sequential decoding exactly.
+- flash attention on by default: its CPU kernel computes each query row on its own, so a row's
+  logits no longer depend on how many tokens share its batch (without it the attention's matrix
+  products take another code path for one token than for several, and round differently), and
+  it makes a single-token pass cheaper on the hosts measured (README). What still moves a logit
+  is the order of the KV cells it attends to (``speculative.divergence``).
 """
 
 from __future__ import annotations
@@ -461,7 +465,7 @@ class ContextConfig:
     n_batch: int = 128       # max tokens per decode: a whole tree, or a prompt chunk
     n_seq_max: int = 64      # max sequence ids: one per tree leaf (llama.cpp allows <= 256)
     n_threads: int = 0       # 0: every core this process may use
-    flash_attn: bool = False  # off: Q8_0 tree logits then equal sequential decoding exactly
+    flash_attn: bool = True  # on: a row's logits do not depend on its batch's size (see above)
     # a window beyond the model's trained context (GPT-2's learned positions end there):
     # True shrinks it to the model's, False refuses it with ContextTooLarge
     fit: bool = True
@@ -651,18 +655,20 @@ def system_info() -> str:
 
 
 def peer_generate(model_path: str | Path, prompt: Sequence[int], n_tokens: int, n_threads: int,
-                  n_ctx: int, prompt_lookup: int = 0) -> tuple[list[int], float]:
+                  n_ctx: int, prompt_lookup: int = 0, flash_attn: bool = True,
+                  ) -> tuple[list[int], float]:
     """Greedy generation by llama-cpp-python's own high-level ``Llama`` (a benchmark peer):
     plain, or its speculative path with ``LlamaPromptLookupDecoding`` proposing
     ``prompt_lookup`` tokens. Returns the tokens and the seconds from the first token to the
-    last (prefill excluded, as ``RunStats`` counts: ``n - 1`` tokens in that time)."""
+    last (prefill excluded, as ``RunStats`` counts: ``n - 1`` tokens in that time);
+    ``flash_attn`` as the engine it is compared with runs."""
     from llama_cpp.llama_speculative import LlamaPromptLookupDecoding
 
     draft = LlamaPromptLookupDecoding(num_pred_tokens=prompt_lookup) if prompt_lookup else None
     with _high_level_loads_with_host_rules():
         llm = llama_cpp.Llama(model_path=str(model_path), n_ctx=n_ctx,
                               n_batch=max(64, n_ctx // 2), n_threads=n_threads,
-                              n_threads_batch=n_threads, flash_attn=False, draft_model=draft,
+                              n_threads_batch=n_threads, flash_attn=flash_attn, draft_model=draft,
                               verbose=False)
     try:
         out: list[int] = []

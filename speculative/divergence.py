@@ -1,26 +1,29 @@
 """Why two greedy outputs of the same target differ: an algorithm error, or a batch-shape tie.
 
-llama.cpp's CPU matrix products take another code path for a batch of one token than for a
-batch of several (llamafile's tinyBLAS runs only when ``n >= 2``; ggml's own dot products
-otherwise), and they round differently: the logits of the same tokens decoded one at a time
-and in batches differ slightly, in most rows (the README gives the spread measured).
-Plain decoding runs one token per pass, verification runs batches, so where the target's two
-best tokens are that close, plain and a speculative mode may each take a different one, and
-from there on they write different (equally valid) text. The algorithm is not at fault: each
-step took the argmax of the logits llama.cpp gave it.
+Two things make llama.cpp's logits for the same text differ slightly between runs:
 
-Built without llamafile (``CMAKE_ARGS=-DGGML_LLAMAFILE=OFF``), llama.cpp's logits no longer
-depend on the batch shape (the README gives the check), and chains match plain decoding;
-trees still can part: the
-attention sums over KV cells in cell order, and a tree's nodes sit in cells after their
-siblings, so a node off the first branch is computed with other roundings than in plain
-decoding.
+- the batch's size, with flash attention off: the attention's matrix products take another code
+  path for a batch of one token than for several (llamafile's tinyBLAS runs only when
+  ``n >= 2``, ggml's own dot products otherwise), and they round differently. Flash
+  attention's CPU kernel computes each query row on its own, and with it on the logits of the
+  same cache are the same whatever the batch (the README gives the check);
+- the order of the KV cells a row attends to, with or without flash attention: the attention
+  sums over cells in cell order, and a tree's accepted nodes sit in the cells the tree gave
+  them, so the next token can land in a cell its rejected sibling freed, before the token it
+  follows.
+
+Plain decoding runs one token per pass in cells that follow the text, verification runs
+batches over a cache the trees have laid out, so where the target's two best tokens are that
+close, plain and a speculative mode may each take a different one, and from there on they
+write different (equally valid) text. The algorithm is not at fault: each step took the argmax
+of the logits llama.cpp gave it.
 
 ``explain`` tells the two cases apart for one pair of outputs. At the first token where they
 differ, it decodes the shared text again under several batch shapes (as plain decoding ran it:
 the prompt in batches, then a token per pass; the whole history in batches, then the last token
 alone or in a 2-token batch as a verification would; every generated token behind a sibling,
-in a later KV cell, as a tree's second branch is; every token alone) and reads the margin
+in a later KV cell, as a tree's second branch is; every other token in the cell its sibling
+freed, before the token it follows; every token alone) and reads the margin
 ``logit(a) - logit(b)`` of the two candidates, ``a`` the reference's token and ``b`` the
 other's, under each:
 
@@ -141,6 +144,21 @@ def _shapes(ctx: Context, n_prompt: int, text: list[int], candidates: tuple[int,
             yield "history behind siblings", rows[0]
         else:
             kv.commit(slots[1], [token])
+    # a tree's history out of cell order: every other token fills the cell its rejected
+    # sibling freed, before the token it follows (the attention then sums in another order)
+    kv.reset()
+    pending = kv.prepare(text[:n_prompt], max_pending=1)
+    for i, token in enumerate([*pending, *text[n_prompt:]]):
+        tip = kv.tip()
+        if tip is None:
+            break
+        last = n_prompt + i == len(text)
+        pair, mine = ([token, candidates[0]], 0) if i % 2 else ([candidates[0], token], 1)
+        slots, rows = kv.decode(pair, [tip, tip], [mine == 0 and last, mine == 1 and last])
+        if last:
+            yield "history out of cell order", rows[0]
+        else:
+            kv.commit(slots[mine], [token])
     # every token alone
     kv.reset()
     for token in text:

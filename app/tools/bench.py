@@ -122,8 +122,9 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         if args.penalties in ("on", "both"):
             samplings[name + PENALISED] = bases[name].with_sampler(params)
     chosen = list(samplings)
-    report: dict[str, Any] = {"host": host_info(config.n_threads), "target": target.name,
-                              "draft": draft.name if draft else None, "cells": []}
+    report: dict[str, Any] = {"host": host_info(config.n_threads, config.flash_attn),
+                              "target": target.name, "draft": draft.name if draft else None,
+                              "cells": []}
     if args.penalties != "off":
         report["penalties"] = describe_sampler(params)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
@@ -298,7 +299,7 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
         token_prompts = [vocab.tokenize(p) for p in prompts]
         for name, lookup in PEERS:
             argv = peer.command(target, token_prompts, args.max_tokens, threads,
-                                pair.target_ctx.n_ctx, lookup)
+                                pair.target_ctx.n_ctx, lookup, config.flash_attn)
             try:
                 result = peer.run_peer(argv)
             except peer.PeerFailed as exc:
@@ -310,11 +311,12 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
         try:
             native_tools(progress=lambda msg: print(msg, file=sys.stderr))
             peers["llama.cpp llama-bench"] = {"tokens_per_second": run_native_bench(
-                target, args.max_tokens, threads, flash_attn=False).tokens_per_second}
+                target, args.max_tokens, threads, config.flash_attn).tokens_per_second}
             if draft is not None:
                 for n_max in (4, 8):
                     r = run_native_speculative(target, draft, prompts[0], args.max_tokens,
-                                               threads, n_max, ctx=pair.target_ctx.n_ctx)
+                                               threads, n_max, ctx=pair.target_ctx.n_ctx,
+                                               flash_attn=config.flash_attn)
                     peers[f"llama.cpp llama-speculative (draft max {n_max})"] = {
                         "tokens_per_second": r.tokens_per_second, "accept": r.accept}
         except NativeUnavailable as exc:
@@ -322,7 +324,12 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
     return peers
 
 
-def host_info(threads: int) -> dict[str, Any]:
+def _on(host: dict[str, Any]) -> str:
+    """Whether the run had flash attention on (reports from before it was recorded: off)."""
+    return "on" if host.get("flash_attn") else "off"
+
+
+def host_info(threads: int, flash_attn: bool) -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -331,7 +338,8 @@ def host_info(threads: int) -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {"cpu": model, "threads": threads or "all", "llama.cpp": system_info()}
+    return {"cpu": model, "threads": threads or "all", "flash_attn": flash_attn,
+            "llama.cpp": system_info()}
 
 
 def _ms(cost: VerifyCost) -> dict[str, float]:
@@ -371,7 +379,8 @@ class Progress:
 def format_report(report: dict[str, Any], repeats: int) -> str:
     host = report["host"]
     lines = [f"target {report['target']}, draft {report['draft']}; {host['cpu']}, "
-             f"{host['threads']} threads; {repeats} repeats (median, min-max)"]
+             f"{host['threads']} threads, flash attention {_on(host)}; {repeats} repeats "
+             "(median, min-max)"]
     t = report["cost_ms"]["target"]
     one = t["1"]
     lines.append("target cost(n) ms: " + "  ".join(
@@ -449,7 +458,8 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
     t = report["cost_ms"]["target"]
     curve = ", ".join(f"{n}: {ms / t['1']:.2f}" for n, ms in t.items() if n != "1")
     lines = [f"Target `{report['target']}`, draft `{report['draft']}`; {host['cpu']}, "
-             f"{host['threads']} threads; target pass {t['1']:.1f} ms for one token, "
+             f"{host['threads']} threads, flash attention {_on(host)}; target pass "
+             f"{t['1']:.1f} ms for one token, "
              f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range).", ""]
     for cell in report["cells"]:
         lines += [f"**{cell['sampling']}, {cell['prompts']} prompts**", "",

@@ -30,11 +30,12 @@ class PeerFailed(RuntimeError):
 
 
 def command(model: Path, prompts: Sequence[Sequence[int]], n_tokens: int, threads: int,
-            n_ctx: int, prompt_lookup: int = 0) -> list[str]:
+            n_ctx: int, prompt_lookup: int = 0, flash_attn: bool = True) -> list[str]:
     """The argv that runs one peer on ``prompts`` (token ids) in a child process."""
     return [sys.executable, "-m", "app.tools.peer", "--model", str(model),
             "--prompts", json.dumps([list(p) for p in prompts]), "-n", str(n_tokens),
-            "--threads", str(threads), "--ctx", str(n_ctx), "--prompt-lookup", str(prompt_lookup)]
+            "--threads", str(threads), "--ctx", str(n_ctx), "--prompt-lookup", str(prompt_lookup),
+            "--flash-attn", "on" if flash_attn else "off"]
 
 
 def run_peer(argv: Sequence[str], timeout: float = 1800.0) -> dict[str, float]:
@@ -71,10 +72,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     p.add_argument("--ctx", type=int, required=True)
     p.add_argument("--prompt-lookup", type=int, default=0,
                    help="tokens LlamaPromptLookupDecoding proposes (0: plain decoding)")
+    p.add_argument("--flash-attn", choices=["on", "off"], default="on")
     a = p.parse_args(argv)
     tokens, seconds = 0, 0.0
     for prompt in json.loads(a.prompts):
-        out, sec = peer_generate(a.model, prompt, a.n, a.threads, a.ctx, a.prompt_lookup)
+        out, sec = peer_generate(a.model, prompt, a.n, a.threads, a.ctx, a.prompt_lookup,
+                                 a.flash_attn == "on")
         tokens, seconds = tokens + max(0, len(out) - 1), seconds + sec
     print(json.dumps({"tokens": tokens, "seconds": seconds}))
     return 0

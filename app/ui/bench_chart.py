@@ -74,7 +74,8 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
     # the host and its curve may be longer than the figure is wide: wrapped, never clipped
     p.drawText(QRectF(MARGIN, 26, width - 2 * MARGIN, 40),
                Qt.AlignmentFlag.AlignLeft | Qt.TextFlag.TextWordWrap,
-               f"{report['host']['cpu']}, {report['host']['threads']} threads; target "
+               f"{report['host']['cpu']}, {report['host']['threads']} threads, flash attention "
+               f"{'on' if report['host'].get('flash_attn') else 'off'}; target "
                f"cost(n)/cost(1) {curve}; median of the repeats, whiskers: min-max")
     for r, prompts in enumerate(rows):
         for c, sampling in enumerate(columns):

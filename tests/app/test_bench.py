@@ -77,11 +77,11 @@ def test_a_peer_that_crashes_is_reported_and_the_bench_goes_on(tiny_models, tmp_
 
     real = peer.command
 
-    def command(model, prompts, n_tokens, threads, n_ctx, prompt_lookup=0):
+    def command(model, prompts, n_tokens, threads, n_ctx, prompt_lookup=0, flash_attn=True):
         if prompt_lookup:  # this peer dies as a segfault in llama.cpp would end it
             return [sys.executable, "-c", "import os, signal, sys; sys.stderr.write('in "
                     "ggml_backend_amx_mul_mat\\n'); os.kill(os.getpid(), signal.SIGSEGV)"]
-        return real(model, prompts, n_tokens, threads, n_ctx, prompt_lookup)
+        return real(model, prompts, n_tokens, threads, n_ctx, prompt_lookup, flash_attn)
 
     monkeypatch.setattr(bench.peer, "command", command)
     prompts = tmp_path / "prompts.txt"

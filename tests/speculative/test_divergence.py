@@ -83,3 +83,46 @@ def test_on_llama_cpp_the_plain_shape_reproduces_plain_decoding(target: LlamaCon
         assert d is not None and d.index == i
         assert d.margins[AS_PLAIN] > 0 and all(m > 0 for m in d.margins.values())
         assert not d.tie, d.describe()
+
+
+def _rows(ctx: LlamaContext, text: list[int], chunk: int) -> np.ndarray:
+    """Every row's logits for ``text`` decoded from an empty cache in batches of ``chunk``."""
+    ctx.clear()
+    rows = []
+    for i in range(0, len(text), chunk):
+        part = text[i:i + chunk]
+        rows.append(np.array(ctx.decode(part, list(range(i, i + len(part))),
+                                        [[0]] * len(part), True)))
+    return np.concatenate(rows)
+
+
+def test_with_flash_attention_a_rows_logits_do_not_depend_on_its_batch(
+        tiny_models: dict[str, Path]) -> None:
+    """Flash attention's kernel computes each row on its own: the same cache gives the same
+    logits, bit for bit, whether the text is decoded a token at a time or in batches."""
+    config = ContextConfig(n_ctx=256, n_batch=64, n_threads=1, flash_attn=True)
+    with LlamaModel(tiny_models["q8_0-target"]) as model, LlamaContext(model, config) as ctx:
+        text = model.vocab.tokenize("def fibonacci(n):\n    if n < 2:\n        return n\n"
+                                    "    return fibonacci(n - 1) + fibonacci(n - 2)\n")
+        alone = _rows(ctx, text, 1)
+        for chunk in (2, 3, 16, len(text)):
+            assert np.array_equal(_rows(ctx, text, chunk), alone), chunk
+
+
+def test_the_cell_order_shape_moves_the_margin(tiny_models: dict[str, Path]) -> None:
+    """With flash attention on, the batch shapes that keep the cells in text order all give
+    the same margin; a history whose cells are out of order (as a tree leaves them) moves it,
+    so that a tie from cell order can be told from an error."""
+    config = ContextConfig(n_ctx=256, n_batch=64, n_threads=1, flash_attn=True)
+    with LlamaModel(tiny_models["q8_0-target"]) as model, LlamaContext(model, config) as ctx:
+        prompt = model.vocab.tokenize("def add(a, b):\n    return")
+        engine = Engine(ctx, config=SpecConfig(mode=Mode.PLAIN))
+        ref = [t for step in engine.generate(prompt, 24) for t in step.tokens]
+        moved = 0
+        for i in (8, 15, 23):
+            d = explain(ctx, prompt, ref, [*ref[:i], (ref[i] + 1) % ctx.n_vocab])
+            assert d is not None
+            in_order = {v for k, v in d.margins.items() if k != "history out of cell order"}
+            assert len(in_order) == 1, d.describe()
+            moved += d.margins["history out of cell order"] not in in_order
+        assert moved >= 1
