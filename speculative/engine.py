@@ -281,11 +281,24 @@ class Engine:
         pending = self.target.prepare(committed,
                                       max_pending=self.target.ctx.n_batch - len(tree) + 1)
         k = len(pending) - 1  # batch index of the root
-        tokens = pending + tree.tokens[1:]
+        # the batch lays the tree out likeliest path first: llama.cpp gives a batch's tokens
+        # the first free cells in batch order, and the attention sums over cells in cell
+        # order, so when that path is accepted the cells its rejected siblings freed lie after
+        # it, the next tokens fill them in text order, and the cache is laid out as plain
+        # decoding's would be (with flash attention on, whose rows do not depend on their
+        # batch, the logits are then plain decoding's own; see speculative/divergence.py)
+        order = tree.likeliest_first()
+        at = [0] * len(tree)  # batch row (past the root) of each node
+        for row, node in enumerate(order):
+            at[node] = row
+        tokens = pending + [tree.tokens[v] for v in order[1:]]
         parents: list[Parent] = [COMMIT] * len(pending)
-        parents += [k + tree.parents[i] for i in range(1, len(tree))]
+        parents += [k + at[tree.parents[v]] for v in order[1:]]
         want = [False] * k + [True] * len(tree)
         slots, logits = self.target.decode(tokens, parents, want)
+        if any(node != row for row, node in enumerate(order)):  # back in node order
+            logits = logits[at]
+            slots = slots[:k] + [slots[k + at[v]] for v in range(len(tree))]
         if params.greedy:
             verdict = verify_greedy(tree, logits, penalties)
         else:

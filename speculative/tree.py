@@ -83,5 +83,15 @@ class TokenTree:
             queue = nxt
         return out
 
+    def likeliest_first(self) -> list[int]:
+        """Node ids depth first, each node's children by descending score (ties: by rank): the
+        likeliest path comes first, right after the root, and every subtree is contiguous."""
+        order, stack = [], [0]
+        while stack:
+            u = stack.pop()
+            order.append(u)
+            stack.extend(sorted(self.children[u], key=lambda c: (self.scores[c], -self.ranks[c])))
+        return order
+
     def leaves(self) -> list[int]:
         return [i for i, ch in enumerate(self.children) if not ch]

@@ -9,7 +9,10 @@ import pytest
 
 from speculative.backend import ContextConfig, LlamaContext, LlamaModel
 from speculative.divergence import AS_PLAIN, explain, first_difference
+from speculative.drafting import TreeBudget
 from speculative.engine import Engine
+from speculative.kvtree import COMMIT
+from speculative.oracle import OracleDrafter
 from speculative.penalties import Penalizer
 from speculative.policies import Mode, SpecConfig
 from speculative.sampling import SamplingParams
@@ -126,3 +129,47 @@ def test_the_cell_order_shape_moves_the_margin(tiny_models: dict[str, Path]) -> 
             assert len(in_order) == 1, d.describe()
             moved += d.margins["history out of cell order"] not in in_order
         assert moved >= 1
+
+
+class _NearOracle(OracleDrafter):
+    """Knows the target's text and proposes it first, a wrong token beside it at every node:
+    a two-wide tree whose likeliest path is always the accepted one."""
+
+    def _logits(self, path: tuple[int, ...]) -> np.ndarray:
+        i = self._done + len(path)
+        out = np.full(self.n_vocab, -1e4, dtype=np.float32)
+        if i < len(self.continuation):
+            right = self.continuation[i]
+            out[right], out[(right + 1) % self.n_vocab] = 1.0, 0.9
+        return out
+
+
+class _OracleTrees(SpecConfig):
+    """The oracle mode with the tree budget itself (the mode's own is a chain)."""
+
+    def budget(self) -> TreeBudget | None:
+        return self.tree
+
+
+def test_a_tree_whose_likeliest_path_is_accepted_leaves_the_cache_as_plain_decoding_does(
+        tiny_models: dict[str, Path]) -> None:
+    """The engine lays a tree out likeliest path first: when that path is accepted, the cells
+    of its rejected siblings lie after it and the next tokens fill them in text order. With
+    flash attention on (rows that do not depend on their batch), the cache then gives plain
+    decoding's logits bit for bit, after steps that each rejected a sibling at every level."""
+    config = ContextConfig(n_ctx=256, n_batch=64, n_threads=1, flash_attn=True)
+    with LlamaModel(tiny_models["q8_0-target"]) as model, LlamaContext(model, config) as ctx:
+        prompt = model.vocab.tokenize("def add(a, b):\n    return")
+        plain = Engine(ctx, config=SpecConfig(mode=Mode.PLAIN))
+        answer = [t for step in plain.generate(prompt, 40) for t in step.tokens]
+        budget = TreeBudget(max_nodes=8, max_depth=4, max_children=2)
+        engine = Engine(ctx, config=_OracleTrees(mode=Mode.ORACLE, tree=budget, adaptive=False))
+        engine.oracle = _NearOracle(answer, len(prompt), ctx.n_vocab)
+        steps = list(engine.generate(prompt, 40))
+        assert [t for s in steps for t in s.tokens] == answer
+        assert sum(s.stats.drafted - s.stats.accepted for s in steps) > len(steps)  # siblings
+        text = [*prompt, *answer]
+        kv = engine.target
+        pending = kv.prepare(text, max_pending=1)
+        mine = np.array(kv.decode(pending, [COMMIT] * len(pending))[1][-1])
+        assert np.array_equal(mine, _rows(ctx, text, 1)[-1])

@@ -25,6 +25,20 @@ def test_top_nodes_is_closed_under_ancestors_and_pruning_keeps_rank_order() -> N
     assert pruned.path(3) == (1, 3)
 
 
+def test_likeliest_first_puts_the_best_path_right_after_the_root_and_keeps_subtrees_whole(
+        ) -> None:
+    tree = TokenTree.rooted(7)
+    b = tree.add(0, 2, 0.3, "draft")
+    a = tree.add(0, 1, 0.6, "ngram")  # added later, likelier: first
+    ab = tree.add(a, 4, 0.1, "draft")
+    aa = tree.add(a, 3, 0.5, "draft")
+    ba = tree.add(b, 5, 0.25, "draft")
+    c = tree.add(0, 6, 0.3, "draft")  # as likely as b, ranked after it: after b's subtree
+    order = tree.likeliest_first()
+    assert order == [0, a, aa, ab, b, ba, c]
+    assert all(order.index(tree.parents[v]) < order.index(v) for v in order[1:])
+
+
 class ChainDrafter:
     """Draft logits from a fixed function of the path; counts how often it is asked."""
 
