@@ -7,11 +7,12 @@ Two things make llama.cpp's logits for the same text differ slightly between run
   ``n >= 2``, ggml's own dot products otherwise), and they round differently. Flash
   attention's CPU kernel computes each query row on its own, and with it on the logits of the
   same cache are the same whatever the batch (the README gives the check);
-- the order of the KV cells a row attends to, with or without flash attention: the attention
-  sums over cells in cell order, and a tree's accepted nodes sit in the cells the tree gave
-  them, so the next token can land in a cell a rejected sibling freed, before the token it
-  follows. The engine lays each tree out likeliest path first (``Engine._verify``), so that
-  this happens only when another path than the likeliest is accepted.
+- the layout of the KV cells a row attends to, with or without flash attention: the attention
+  sums over cells in cell order, a tree's accepted nodes sit in the cells the tree gave them,
+  with the cells of rejected siblings freed between them, and llama.cpp later fills freed
+  cells with new tokens, before tokens they follow. The engine lays each tree out likeliest
+  path first (``Engine._verify``): an accepted likeliest path leaves no freed cell between
+  its tokens.
 
 Plain decoding runs one token per pass in cells that follow the text, verification runs
 batches over a cache the trees have laid out, so where the target's two best tokens are that

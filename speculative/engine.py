@@ -282,11 +282,12 @@ class Engine:
                                       max_pending=self.target.ctx.n_batch - len(tree) + 1)
         k = len(pending) - 1  # batch index of the root
         # the batch lays the tree out likeliest path first: llama.cpp gives a batch's tokens
-        # the first free cells in batch order, and the attention sums over cells in cell
-        # order, so when that path is accepted the cells its rejected siblings freed lie after
-        # it, the next tokens fill them in text order, and the cache is laid out as plain
-        # decoding's would be (with flash attention on, whose rows do not depend on their
-        # batch, the logits are then plain decoding's own; see speculative/divergence.py)
+        # free cells in batch order and the attention's sums depend on how the cells are laid
+        # out, so an accepted likeliest path then sits in consecutive cells right after the
+        # committed text, as plain decoding's tokens do, and the cells its rejected siblings
+        # freed lie after it, not between its tokens (with flash attention on, whose rows do
+        # not depend on their batch, the cache then gives plain decoding's logits: see
+        # speculative/divergence.py and its tests)
         order = tree.likeliest_first()
         at = [0] * len(tree)  # batch row (past the root) of each node
         for row, node in enumerate(order):
