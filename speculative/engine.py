@@ -90,6 +90,7 @@ class Engine:
         self._policies: dict[Mode, Policy] = {}
         # seconds a step with the target alone spends outside its pass (decayed mean)
         self._overhead = Running(prior=0.0)
+        self._redecode = 0  # accepted tokens the last commit left for the next pass to decode
         self._breakers = breakers
         self._penalizer: Penalizer | None = None  # the last params' (they rarely change)
 
@@ -147,6 +148,7 @@ class Engine:
         self._penalizer_for(params)  # the vocabulary's breakers, scanned once, untimed
         t0 = time.perf_counter()
         self.target.prepare(committed, max_pending=1)  # raises PromptTooLong before any work
+        self._redecode = 0  # decoded just now
         # auto decodes the prompt into the draft too when its next steps will draft (as the
         # draft's modes do): that is reading the prompt, not drafting. Otherwise the draft
         # catches up when it first runs, if it does.
@@ -231,19 +233,23 @@ class Engine:
         try:
             plan = policy.plan(step)
             t1 = time.perf_counter()
-            verdict, slots = self._verify(committed, plan.tree, params, rng, penalties)
+            verdict, slots, in_place = self._verify(committed, plan.tree, params, rng,
+                                                    penalties)
         except BaseException:
             self._rollback()
             raise
         t2 = time.perf_counter()
         batch, shape_before = self.target.last_batch, last_shape
-        accepted = self._commit(plan, verdict, slots)
+        redecoded = self._redecode
+        accepted = self._commit(plan, verdict, slots, in_place)
         t3 = time.perf_counter()
         drafting = plan.counters.t_draft + plan.counters.t_stage2
         plain = self._plain_per_token(batch, shape_before, t2 - t1,
                                       t3 - t0 - (t2 - t1) - drafting)
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
                                 verdict.offered, t0, t1, t2, t3, batch, plain)
+        if redecoded:
+            stats = dataclasses.replace(stats, redecoded=redecoded)
         if penalties is not None:
             stats = dataclasses.replace(stats, steered=verdict.changed,
                                         t_penalties=penalties.seconds)
@@ -275,8 +281,10 @@ class Engine:
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator, penalties: StepPenalties | None
-                ) -> tuple[Verdict, list[Slot]]:
-        """One target pass over the pending tokens and the tree; the acceptance rule."""
+                ) -> tuple[Verdict, list[Slot], int]:
+        """One target pass over the pending tokens and the tree; the acceptance rule. Returns
+        the verdict, the nodes' slots (by node id) and how many of the accepted nodes sit in
+        the batch's rows right after the root, in order (in consecutive cells)."""
         tree = draft.tree
         pending = self.target.prepare(committed,
                                       max_pending=self.target.ctx.n_batch - len(tree) + 1)
@@ -304,15 +312,26 @@ class Engine:
             verdict = verify_greedy(tree, logits, penalties)
         else:
             verdict = verify_sampling(tree, logits, draft.q, params, rng, penalties)
-        return verdict, slots[k:]  # slots of the tree's nodes, by node id
+        in_place = 0
+        while in_place < len(verdict.accepted) and at[verdict.accepted[in_place]] == in_place + 1:
+            in_place += 1
+        return verdict, slots[k:], in_place  # the tree's slots, by node id
 
-    def _commit(self, plan: StepPlan, verdict: Verdict, slots: list[Slot]) -> tuple[int, ...]:
+    def _commit(self, plan: StepPlan, verdict: Verdict, slots: list[Slot],
+                in_place: int) -> tuple[int, ...]:
         """Keep the accepted path in the target's cache and the drafter's; calibrate.
-        Returns the accepted tokens."""
+        Returns the accepted tokens.
+
+        The target's cache keeps only the first ``in_place`` accepted nodes: where the target
+        took another path than the likeliest, the rest of its path sits in cells past the
+        freed cells of the nodes it passed over, which later tokens would fill, before tokens
+        they follow; those are decoded again with the next batch, in text order, so that the
+        cache stays laid out as plain decoding's (a token more in the next batch for each)."""
         tree = plan.tree.tree
         accepted = tuple(tree.tokens[n] for n in verdict.accepted)
-        self.target.commit(slots[verdict.accepted[-1] if verdict.accepted else 0],
-                           list(accepted))
+        self.target.commit(slots[verdict.accepted[in_place - 1] if in_place else 0],
+                           list(accepted[:in_place]))
+        self._redecode = len(accepted) - in_place
         if plan.drafter is not None:
             plan.drafter.commit(accepted, verdict.next_token)
             self.res.calibrations.observe(plan, verdict.accepted)

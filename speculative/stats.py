@@ -33,6 +33,9 @@ class StepStats:
     # cost curve's cost(batch) / cost(1)), per token; 0 when no cost curve was measured
     t_plain: float = 0.0
     steered: int = 0       # verified positions where penalties changed the target's top token
+    # accepted tokens of the step before decoded again in this pass (they sat past cells that
+    # later tokens would fill: see Engine._commit)
+    redecoded: int = 0
     t_penalties: float = 0.0  # seconds penalising logits (already inside draft and verify)
 
     @property

@@ -132,15 +132,18 @@ def test_the_cell_order_shape_moves_the_margin(tiny_models: dict[str, Path]) -> 
 
 
 class _NearOracle(OracleDrafter):
-    """Knows the target's text and proposes it first, a wrong token beside it at every node:
-    a two-wide tree whose likeliest path is always the accepted one."""
+    """Knows the target's text and proposes it beside a wrong token at every node, first
+    (``right_first``: the likeliest path is always the accepted one) or second."""
+
+    right_first = True
 
     def _logits(self, path: tuple[int, ...]) -> np.ndarray:
         i = self._done + len(path)
         out = np.full(self.n_vocab, -1e4, dtype=np.float32)
         if i < len(self.continuation):
             right = self.continuation[i]
-            out[right], out[(right + 1) % self.n_vocab] = 1.0, 0.9
+            first, second = (1.0, 0.9) if self.right_first else (0.9, 1.0)
+            out[right], out[(right + 1) % self.n_vocab] = first, second
         return out
 
 
@@ -151,12 +154,15 @@ class _OracleTrees(SpecConfig):
         return self.tree
 
 
-def test_a_tree_whose_likeliest_path_is_accepted_leaves_the_cache_as_plain_decoding_does(
-        tiny_models: dict[str, Path]) -> None:
-    """The engine lays a tree out likeliest path first: when that path is accepted, the cells
-    of its rejected siblings lie after it and the next tokens fill them in text order. With
-    flash attention on (rows that do not depend on their batch), the cache then gives plain
-    decoding's logits bit for bit, after steps that each rejected a sibling at every level."""
+@pytest.mark.parametrize("right_first", [True, False], ids=["likeliest", "second"])
+def test_a_tree_leaves_the_cache_as_plain_decoding_does(tiny_models: dict[str, Path],
+                                                        right_first: bool) -> None:
+    """The engine lays a tree out likeliest path first, and keeps in the target's cache only
+    the accepted nodes that sit right after the root in the batch (the rest of the path is
+    decoded again with the next batch): with flash attention on (rows that do not depend on
+    their batch), the cache then gives plain decoding's logits bit for bit, after steps that
+    each rejected a sibling at every level, whether the target took the likeliest path or
+    always the second child."""
     config = ContextConfig(n_ctx=256, n_batch=64, n_threads=1, flash_attn=True)
     with LlamaModel(tiny_models["q8_0-target"]) as model, LlamaContext(model, config) as ctx:
         prompt = model.vocab.tokenize("def add(a, b):\n    return")
@@ -165,6 +171,7 @@ def test_a_tree_whose_likeliest_path_is_accepted_leaves_the_cache_as_plain_decod
         budget = TreeBudget(max_nodes=8, max_depth=4, max_children=2)
         engine = Engine(ctx, config=_OracleTrees(mode=Mode.ORACLE, tree=budget, adaptive=False))
         engine.oracle = _NearOracle(answer, len(prompt), ctx.n_vocab)
+        engine.oracle.right_first = right_first
         steps = list(engine.generate(prompt, 40))
         assert [t for s in steps for t in s.tokens] == answer
         assert sum(s.stats.drafted - s.stats.accepted for s in steps) > len(steps)  # siblings
