@@ -134,36 +134,38 @@ def _shapes(ctx: Context, n_prompt: int, text: list[int], candidates: tuple[int,
         yield f"history batched, last with {child}", rows[0]
     # a tree's history: every token since the prompt decoded behind a sibling (as a tree's
     # second branch is), and kept in that later cell
-    kv.reset()
-    pending = kv.prepare(text[:n_prompt], max_pending=1)
-    for i, token in enumerate([*pending, *text[n_prompt:]]):
-        tip = kv.tip()
-        if tip is None:
-            break
-        last = n_prompt + i == len(text)
-        slots, rows = kv.decode([candidates[0], token], [tip, tip], [False, last])
-        if last:
-            yield "history behind siblings", rows[0]
-        else:
-            kv.commit(slots[1], [token])
-    # a tree's history out of cell order: every other token fills the cell its rejected
-    # sibling freed, before the token it follows (the attention then sums in another order)
-    kv.reset()
-    pending = kv.prepare(text[:n_prompt], max_pending=1)
-    for i, token in enumerate([*pending, *text[n_prompt:]]):
-        tip = kv.tip()
-        if tip is None:
-            break
-        last = n_prompt + i == len(text)
-        pair, mine = ([token, candidates[0]], 0) if i % 2 else ([candidates[0], token], 1)
-        slots, rows = kv.decode(pair, [tip, tip], [mine == 0 and last, mine == 1 and last])
-        if last:
-            yield "history out of cell order", rows[0]
-        else:
-            kv.commit(slots[mine], [token])
+    # and out of cell order: every other token fills the cell its rejected sibling freed,
+    # before the token it follows (the attention then sums in another order)
+    for name, alternate in (("history behind siblings", False),
+                            ("history out of cell order", True)):
+        row = _beside_siblings(kv, n_prompt, text, candidates[0], alternate)
+        if row is not None:
+            yield name, row
     # every token alone
     kv.reset()
     for token in text:
         _, rows = kv.decode([token], [COMMIT], [True])
     yield "every token alone", rows[0]
     kv.reset()
+
+
+def _beside_siblings(kv: KVTree, n_prompt: int, text: list[int], sibling: int,
+                     alternate: bool) -> np.ndarray | None:
+    """The logits after ``text`` with every token since the prompt decoded beside ``sibling``
+    (rejected, its cell freed): behind it, or with ``alternate`` every other token ahead of it,
+    in the cell the previous sibling freed. None when nothing is cached to decode beside."""
+    kv.reset()
+    pending = kv.prepare(text[:n_prompt], max_pending=1)
+    tokens = [*pending, *text[n_prompt:]]
+    for i, token in enumerate(tokens):
+        tip = kv.tip()
+        if tip is None:
+            return None
+        last = i == len(tokens) - 1
+        mine = 0 if alternate and i % 2 else 1
+        pair = [token, sibling] if mine == 0 else [sibling, token]
+        slots, rows = kv.decode(pair, [tip, tip], [mine == 0 and last, mine == 1 and last])
+        if last:
+            return rows[0]
+        kv.commit(slots[mine], [token])
+    return None
