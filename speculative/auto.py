@@ -23,12 +23,17 @@ otherwise alternate and pay it at every switch). It is counted in the regret bel
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
-the fastest would have taken for their tokens, may reach ``EXPLORE_SHARE`` of the time spent
-(plus an allowance of ``EXPLORE_START`` plain steps' time for a fresh start); a kind other than
-the fastest runs only while regret is under budget. The regret is counted against the fastest
-kind, not against the target alone: counted against the target alone, what the fastest kind
-gains over it would pay for explorations until ``auto`` had lost its whole lead over plain
-decoding to them. The first measurements, before any kind is measured, are not regret.
+the fastest would have taken for their tokens, may reach a share of the time spent (plus an
+allowance of ``START_STEPS`` plain steps' time for a fresh start); a kind other than the
+fastest runs only while regret is under budget. The share follows what speculation gains
+here: ``EXPLORE_SHARE`` where the fastest kind leads the target alone by ``FULL_SHARE_LEAD``
+or more, down to ``EXPLORE_FLOOR`` where nothing has beaten the target alone (a steep cost
+curve: every exploration there is a loss unless the text has changed, and exploring at the
+full share kept ``auto`` a few percent below plain decoding). The regret is counted against
+the fastest kind, not against the target alone: counted against the target alone, what the
+fastest kind gains over it would pay for explorations until ``auto`` had lost its whole lead
+over plain decoding to them. The first measurements, before any kind is measured, are not
+regret.
 
 Which kind is fastest is judged on the same text where possible: a step's plan names what the
 other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
@@ -64,8 +69,10 @@ from .tree import TokenTree
 
 EXPLORE_EVERY = 24  # steps after which a kind of step not the fastest is tried again
 MAX_BACKOFF = 16    # at most this many times longer while explorations keep losing
-EXPLORE_SHARE = 0.02  # time auto may lose to exploring, as a share of its time
-EXPLORE_START = 200   # plain steps' time a fresh planner counts as spent (2 steps to lose)
+EXPLORE_SHARE = 0.02   # time auto may lose to exploring, as a share of its time, at most
+EXPLORE_FLOOR = 0.005  # ... and at least, where no kind has beaten the target alone
+FULL_SHARE_LEAD = 0.1  # the fastest kind's lead over the target alone that earns the most
+START_STEPS = 4        # plain steps' time a fresh planner may lose to exploring
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
 
@@ -197,8 +204,18 @@ class Planner:
     def within_budget(self, risk: float = 0.0) -> bool:
         """Whether the regret so far leaves room to explore a step that may lose up to ``risk``
         seconds more (see the module docstring)."""
-        allowance = EXPLORE_SHARE * (self.elapsed + EXPLORE_START * self.plain_seconds())
+        plain = self.plain_seconds()
+        allowance = self.explore_share() * self.elapsed + START_STEPS * plain
         return self.regret + risk < allowance
+
+    def explore_share(self) -> float:
+        """The share of its time ``auto`` may lose to exploring: from ``EXPLORE_FLOOR`` where
+        the fastest kind is the target alone (or no faster) to ``EXPLORE_SHARE`` where it
+        leads by ``FULL_SHARE_LEAD`` (before anything is measured: the most)."""
+        best = self.fastest(list(StepKind))
+        lead = self.speed(best) - 1.0 if best is not None else FULL_SHARE_LEAD
+        return EXPLORE_FLOOR + (EXPLORE_SHARE - EXPLORE_FLOOR) * min(
+            max(lead, 0.0) / FULL_SHARE_LEAD, 1.0)
 
     def speed(self, kind: StepKind) -> float:
         """How fast ``kind`` is, as its rate over the target alone's: measured on the same

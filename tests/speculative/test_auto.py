@@ -9,7 +9,14 @@ import math
 import numpy as np
 import pytest
 
-from speculative.auto import EXPLORE_EVERY, EXPLORE_SHARE, EXPLORE_START, Planner
+from speculative.auto import (
+    EXPLORE_EVERY,
+    EXPLORE_FLOOR,
+    EXPLORE_SHARE,
+    FULL_SHARE_LEAD,
+    START_STEPS,
+    Planner,
+)
 from speculative.costmodel import Calibration, VerifyCost
 from speculative.drafting import (
     DraftCounters,
@@ -330,10 +337,10 @@ def test_each_kind_is_measured_then_the_fastest_runs() -> None:
 
 def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     """A kind other than the fastest may run only while the time lost so far (regret) is under
-    EXPLORE_SHARE of the time spent (plus a fresh start's allowance); time spent without losing
-    refills the budget."""
+    a share of the time spent (plus a fresh start's allowance): EXPLORE_FLOOR while the target
+    alone is the fastest; time spent without losing refills the budget."""
     planner = _planner()
-    start = EXPLORE_SHARE * EXPLORE_START  # plain steps' time a fresh planner may lose
+    start = START_STEPS  # plain steps' time a fresh planner may lose (a step is 1 s here)
     assert planner.within_budget()
     for _ in range(10):
         planner.observe_step(StepKind.ROOT, 1, 1.0)  # the target alone: 1 token per second
@@ -346,9 +353,10 @@ def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     while not planner.within_budget():
         planner.observe_step(StepKind.ROOT, 1, 1.0)
         waited += 1
-    # until the loss beyond the start allowance, 0.2 * start, is EXPLORE_SHARE of the time
+    # until the loss beyond the start allowance, 0.2 * start, is EXPLORE_FLOOR of the time
     # spent, of which 11 s + 1.2 * start had passed before
-    assert waited == math.ceil(0.2 * start / EXPLORE_SHARE - (11 + 1.2 * start))
+    assert planner.explore_share() == EXPLORE_FLOOR
+    assert waited == math.ceil(0.2 * start / EXPLORE_FLOOR - (11 + 1.2 * start))
     assert planner.choose(KINDS) is not StepKind.ROOT  # affordable again: explore
     # unless switching to it costs more than is left (the draft catching up on a long text)
     pair = [StepKind.DRAFT, StepKind.ROOT]
@@ -365,6 +373,37 @@ def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     assert planner.regret == pytest.approx(before)
     planner.observe_step(StepKind.DRAFT, 3, 3.0)
     assert planner.regret == pytest.approx(before + 2.0)
+
+
+def test_the_exploring_share_follows_what_the_fastest_kind_gains() -> None:
+    """Where nothing beats the target alone, exploring may cost EXPLORE_FLOOR of the time (on a
+    steep curve every exploration is a loss unless the text changes); the share grows with the
+    fastest kind's lead over the target alone, to EXPLORE_SHARE at a lead of FULL_SHARE_LEAD."""
+    planner = _planner()
+    assert planner.explore_share() == EXPLORE_SHARE  # nothing measured: find out first
+    for _ in range(10):
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    for _ in range(4):
+        planner.observe_step(StepKind.GUESSES, 1, 1.25)  # slower than the target alone
+    assert planner.fastest(KINDS) is StepKind.ROOT
+    assert planner.explore_share() == EXPLORE_FLOOR
+    # the n-gram's trees, paired with the target alone on the same steps, half the lead
+    for _ in range(40):
+        planner.observe_step(StepKind.GUESSES, 1, 1.0 / (1 + FULL_SHARE_LEAD / 2),
+                             alternatives=[(StepKind.ROOT, 1, 1.0)])
+    assert planner.fastest(KINDS) is StepKind.GUESSES
+    assert planner.explore_share() == pytest.approx((EXPLORE_FLOOR + EXPLORE_SHARE) / 2)
+    for _ in range(40):
+        planner.observe_step(StepKind.GUESSES, 3, 1.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    assert planner.explore_share() == EXPLORE_SHARE
+    # the budget follows: the same regret and time are affordable only with the lead
+    planner.elapsed, planner.regret = 1000.0, 10.0
+    assert planner.within_budget()
+    for _ in range(300):  # the lead gone: the n-gram's trees no faster than the target alone
+        planner.observe_step(StepKind.GUESSES, 1, 1.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    planner.elapsed, planner.regret = 1000.0, 10.0
+    assert planner.explore_share() == pytest.approx(EXPLORE_FLOOR, abs=1e-4)
+    assert not planner.within_budget()
 
 
 def test_a_kind_that_must_catch_up_takes_over_only_where_the_switch_pays() -> None:
