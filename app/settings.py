@@ -112,8 +112,9 @@ class AppSettings:
     def context(self, threads: int) -> ContextConfig:
         """Contexts big enough for any tree these settings can ask for (see ``Engine.check``)."""
         batch = max(self.max_nodes, self.chain_length) + 1 + max(self.lookahead, 0)
+        # flash attention as measured fastest on this machine (speculative.loading)
         return ContextConfig(n_ctx=self.n_ctx, n_batch=max(64, batch), n_seq_max=256,
-                             n_threads=threads)
+                             n_threads=threads, flash_attn=None)
 
     def model_key(self) -> tuple[Any, ...]:
         """What, when it changes, needs the models reloaded (the rest applies at once)."""

@@ -9,11 +9,14 @@ Why the context parameters are what they are (see ``../shared/PLATFORM-NOTES.md`
 - ``kv_unified=True``: a token tree shares its ancestors' KV cells across sequences; only the
   unified cache lets one cell belong to several sequences.
 - ``n_ubatch == n_batch``: a tree batch must not be split into micro-batches.
-- flash attention on by default: its CPU kernel computes each query row on its own, so a row's
-  logits no longer depend on how many tokens share its batch (without it the attention's matrix
-  products take another code path for one token than for several, and round differently), and
-  it makes a single-token pass cheaper on the hosts measured (README). What still moves a logit
-  is the order of the KV cells it attends to (``speculative.divergence``).
+- flash attention on, off, or (``ContextConfig.flash_attn = None``, resolved when a pair is
+  opened: ``speculative.loading``) whichever this machine decodes faster over the window. With
+  it on, its CPU kernel computes each query row on its own, so a row's logits no longer depend
+  on how many tokens share its batch (without it the attention's matrix products take another
+  code path for one token than for several, and round differently); but that kernel walks the
+  cached context row by row, and on some CPUs a pass then grows several times faster with the
+  context than with it off, batches most (README). What moves a logit either way is the order
+  of the KV cells it attends to (``speculative.divergence``).
 """
 
 from __future__ import annotations
@@ -465,7 +468,9 @@ class ContextConfig:
     n_batch: int = 128       # max tokens per decode: a whole tree, or a prompt chunk
     n_seq_max: int = 64      # max sequence ids: one per tree leaf (llama.cpp allows <= 256)
     n_threads: int = 0       # 0: every core this process may use
-    flash_attn: bool = True  # on: a row's logits do not depend on its batch's size (see above)
+    # on: a row's logits do not depend on its batch's size (see above); None: whichever this
+    # machine decodes faster, measured when the pair is opened (``speculative.loading``)
+    flash_attn: bool | None = True
     # a window beyond the model's trained context (GPT-2's learned positions end there):
     # True shrinks it to the model's, False refuses it with ContextTooLarge
     fit: bool = True
@@ -508,6 +513,9 @@ class LlamaContext:
 
     def __init__(self, model: LlamaModel, config: ContextConfig = ContextConfig()) -> None:
         self._ctx: llama_cpp.llama_context_p | None = None
+        if config.flash_attn is None:
+            raise ValueError("flash_attn None (measure it) is resolved when a pair is opened "
+                             "(speculative.loading.open_pair); a context needs on or off")
         self.model = model
         self.n_vocab = model.vocab.n_vocab
         n_ctx = fit_window(config, model.n_ctx_train, model.path.name)
@@ -557,10 +565,8 @@ class LlamaContext:
     def cost_key(self) -> str:
         """What a measured decode-cost curve depends on: the file, the machine, the settings
         (``speculative.costmodel`` caches curves under it)."""
-        stat = self.model.path.stat()
         return "|".join(str(x) for x in (
-            self.model.path.resolve(), stat.st_size, int(stat.st_mtime), self.n_threads,
-            self.n_batch, self.flash_attn, self.model.gpu_layers, system_info()))
+            setting_key(self.model, self.n_threads, self.n_batch), self.flash_attn))
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                seq_ids: Sequence[Sequence[int]], logits: Sequence[bool] | bool = True,
@@ -647,6 +653,15 @@ class LlamaContext:
 
     def __del__(self) -> None:
         self.close()
+
+
+def setting_key(model: LlamaModel, threads: int, n_batch: int) -> str:
+    """The file, the machine and the settings a measured decode cost depends on, but for flash
+    attention (``LlamaContext.cost_key`` adds it)."""
+    stat = model.path.stat()
+    return "|".join(str(x) for x in (
+        model.path.resolve(), stat.st_size, int(stat.st_mtime), threads or default_threads(),
+        n_batch, model.gpu_layers, system_info()))
 
 
 def system_info() -> str:

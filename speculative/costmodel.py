@@ -37,7 +37,7 @@ import json
 import logging
 import os
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 import numpy as np
@@ -261,6 +261,11 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
                        "switch": cost.switch, "context": cost.context,
                        "per_context": list(cost.per_context), "measured": time.time(),
                        "reproduced": not plausible(cost)}
+    _write_cache(path, entries)
+    return cost
+
+
+def _write_cache(path: Path, entries: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
@@ -268,7 +273,60 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
         tmp.replace(path)
     except OSError as exc:
         log.info("decode costs not cached: %s", exc)
-    return cost
+
+
+WINDOW_POINTS = (0.25, 0.75)  # where in the window a setting's single-token cost is timed
+SAME_SPEED = 0.03  # settings whose costs differ less than this are taken as equally fast
+
+
+def window_costs(contexts: Sequence[Context], rounds: int = ROUNDS) -> list[float]:
+    """Each context's seconds for one token, averaged over the window: the mean of single-token
+    decodes after a quarter and after three quarters of its window of filler (for a cost that
+    grows about linearly with the context, the mean over the whole window; a reply's tokens
+    are decoded anywhere in it). The contexts are timed in rounds, one after another within
+    each, so that a change of load shifts them alike; they are filled first, and left empty."""
+    n_ctx = min(ctx.n_ctx for ctx in contexts)
+    points = sorted({max(1, min(int(f * n_ctx), n_ctx - 2)) for f in WINDOW_POINTS})
+    times: list[list[float]] = [[] for _ in contexts]
+    filled = 0
+    for point in points:
+        for ctx in contexts:
+            _fill(ctx, filled, point)
+            _timed_decode(ctx, point, 1)  # the first single-token graph: not timed
+        filled = point
+        for _ in range(rounds):
+            for i, ctx in enumerate(contexts):
+                times[i].append(_timed_decode(ctx, point, 1))
+        for ctx in contexts:
+            ctx.seq_rm(0, point, -1)
+    for ctx in contexts:
+        ctx.clear()
+    # each point's median, then their mean
+    per_point = [np.median(np.reshape(t, (len(points), rounds)), axis=1) for t in times]
+    return [float(np.mean(p)) for p in per_point]
+
+
+def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
+                      path: Path | None = None) -> bool:
+    """Whether flash attention decodes faster on this machine (``key``: the model file, the
+    machine, the settings, the window), as ``measure`` times it: (seconds with it on, off),
+    from ``window_costs``. On unless off is faster by more than ``SAME_SPEED``: with it on a
+    row's logits do not depend on its batch, and the cache a run leaves is plain decoding's
+    bit for bit (``speculative.engine``). Remembered beside the cost curves."""
+    path = path or cache_path()
+    digest = "flash-" + hashlib.sha256(key.encode()).hexdigest()[:24]
+    entries = _read_cache(path)
+    hit = entries.get(digest)
+    if isinstance(hit, dict) and isinstance(hit.get("flash_attn"), bool):
+        return hit["flash_attn"]
+    on, off = measure()
+    choice = not off < (1.0 - SAME_SPEED) * on
+    log.info("one token over the window: %.2f ms with flash attention, %.2f ms without: %s",
+             on * 1000, off * 1000, "on" if choice else "off")
+    entries[digest] = {"flash_attn": choice, "seconds": {"on": on, "off": off},
+                       "measured": time.time()}
+    _write_cache(path, entries)
+    return choice
 
 
 MEASURE_ATTEMPTS = 3  # measurements of a curve before an untrusted one is used as it is

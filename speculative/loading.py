@@ -7,10 +7,11 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
-from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window
-from .costmodel import VerifyCost
+from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window, setting_key
+from .costmodel import VerifyCost, cached_flash_attn, window_costs
 from .engine import Engine, Learned
 from .errors import IncompatibleModels
 from .ngram import KatzTrigram
@@ -95,15 +96,18 @@ def check_ngram(path: Path, target: LlamaModel) -> None:
 
 def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig,
               gpu_layers: tuple[int, int] = (0, 0), ngram: str | Path | None = None,
-              ngram_optional: bool = False) -> ModelPair:
+              ngram_optional: bool = False,
+              measuring: Callable[[str], None] | None = None) -> ModelPair:
     """Load both models, check they share a tokenizer, and create their contexts.
 
     Both contexts get the same window (the smaller trained context wins, or ``ContextTooLarge``
     if ``config.fit`` is off) so that a tree that fits one fits the other. ``ngram`` names the
     n-gram model file engines start from; one over other token ids than the target's is
     refused (``IncompatibleModels``), or with ``ngram_optional`` (the built-in GPT-2 n-gram
-    beside a model of another vocabulary) left out. Whatever fails, what was loaded so far is
-    freed, and models loaded elsewhere are untouched.
+    beside a model of another vocabulary) left out. Flash attention left to the machine
+    (``config.flash_attn`` None) is measured for each model the first time (``measuring`` is
+    told, for a status line). Whatever fails, what was loaded so far is freed, and models
+    loaded elsewhere are untouched.
     """
     with contextlib.ExitStack() as stack:
         t_model = stack.enter_context(LlamaModel(target, gpu_layers=gpu_layers[0]))
@@ -115,9 +119,11 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
             n_ctx = fit_window(dataclasses.replace(config, n_ctx=n_ctx), d_model.n_ctx_train,
                                d_model.path.name)
         config = dataclasses.replace(config, n_ctx=n_ctx)
-        t_ctx = stack.enter_context(LlamaContext(t_model, config))
-        d_ctx = (stack.enter_context(LlamaContext(d_model, config))
-                 if d_model is not None else None)
+        t_ctx = stack.enter_context(
+            LlamaContext(t_model, resolve_flash_attn(t_model, config, measuring)))
+        d_ctx = (stack.enter_context(
+            LlamaContext(d_model, resolve_flash_attn(d_model, config, measuring)))
+            if d_model is not None else None)
         ngram_path = Path(ngram) if ngram is not None else None
         if ngram_path is not None:
             try:
@@ -129,3 +135,29 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
                 ngram_path = None
         stack.pop_all()  # success: the pair owns them now
         return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path)
+
+
+def resolve_flash_attn(model: LlamaModel, config: ContextConfig,
+                       measuring: Callable[[str], None] | None = None) -> ContextConfig:
+    """``config`` with flash attention on or off: as it says, or where it leaves it to the
+    machine (None), whichever decodes ``model`` faster over the window here, measured once
+    per model file, machine and settings and remembered (``costmodel.cached_flash_attn``).
+
+    Which is faster is not the same everywhere: the CPU flash-attention kernel makes a short
+    context's pass cheaper, but it walks the cached context row by row, and on some CPUs a pass
+    then grows with the context several times faster than without it (README)."""
+    if config.flash_attn is not None:
+        return config
+    key = "|".join(str(x) for x in (setting_key(model, config.n_threads, config.n_batch),
+                                    config.n_ctx, config.n_seq_max))
+
+    def measure() -> tuple[float, float]:
+        if measuring is not None:
+            measuring(f"Timing {model.path.name} with and without flash attention (once on "
+                      "this machine)…")
+        with (LlamaContext(model, dataclasses.replace(config, flash_attn=True)) as on,
+              LlamaContext(model, dataclasses.replace(config, flash_attn=False)) as off):
+            seconds = window_costs([on, off])
+        return seconds[0], seconds[1]
+
+    return dataclasses.replace(config, flash_attn=cached_flash_attn(key, measure))

@@ -39,10 +39,12 @@ from app.main import create_app, open_window
 from app.prompting import FORMATS, chat_prompt
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
+from app.worker.loading import app_threads
 from models.catalog import builtin_pair
 from speculative import backend
 from speculative.backend import LlamaContext, LlamaModel
 from speculative.divergence import explain
+from speculative.loading import resolve_flash_attn
 from speculative.penalties import penalizer_for
 from speculative.policies import Mode
 
@@ -321,11 +323,14 @@ def run_soak(tokens: int, modes: Sequence[str], switch_every: int = 3, max_token
     create_app()
     census = ContextCensus()
     with contextlib.ExitStack() as stack:
-        # the referee: the built-in target in a context like the worker's (before the census,
-        # which counts the window's contexts only)
+        # the referee: the built-in target in a context like the worker's, flash attention as
+        # the worker's is (measured once and remembered), one thread (before the census, which
+        # counts the window's contexts only)
         model = stack.enter_context(LlamaModel(builtin_pair()[0]))
+        like_worker = resolve_flash_attn(
+            model, AppSettings(max_tokens=max_tokens).context(threads=app_threads()))
         referee = stack.enter_context(LlamaContext(
-            model, AppSettings(max_tokens=max_tokens).context(threads=1)))
+            model, dataclasses.replace(like_worker, n_threads=1)))
         folder = data_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))
         stack.enter_context(census.installed())
         settings = {"temperature": 0.0, "seed": 0, "max_tokens": max_tokens,

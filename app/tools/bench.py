@@ -122,13 +122,16 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         if args.penalties in ("on", "both"):
             samplings[name + PENALISED] = bases[name].with_sampler(params)
     chosen = list(samplings)
-    report: dict[str, Any] = {"host": host_info(config.n_threads, config.flash_attn),
-                              "target": target.name, "draft": draft.name if draft else None,
+    report: dict[str, Any] = {"target": target.name, "draft": draft.name if draft else None,
                               "cells": []}
     if args.penalties != "off":
         report["penalties"] = describe_sampler(params)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
                    ngram_path, ngram_optional=args.ngram is None) as pair:
+        # flash attention as the target's context runs it (measured where the options say auto)
+        config = dataclasses.replace(config, flash_attn=pair.target_ctx.flash_attn)
+        report["host"] = host_info(config.n_threads, config.flash_attn,
+                                   pair.draft_ctx.flash_attn if pair.draft_ctx else None)
         cost = pair.measure_costs(spec)
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
         report["cost_context"] = {"target": _context(cost[0]),
@@ -325,11 +328,17 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
 
 
 def _on(host: dict[str, Any]) -> str:
-    """Whether the run had flash attention on (reports from before it was recorded: off)."""
-    return "on" if host.get("flash_attn") else "off"
+    """Whether the run had flash attention on (reports from before it was recorded: off), and
+    the draft's setting where it differs."""
+    target = "on" if host.get("flash_attn") else "off"
+    draft = host.get("draft_flash_attn")
+    if draft is None or draft == host.get("flash_attn"):
+        return target
+    return f"{target} (draft {'on' if draft else 'off'})"
 
 
-def host_info(threads: int, flash_attn: bool) -> dict[str, Any]:
+def host_info(threads: int, flash_attn: bool, draft_flash_attn: bool | None = None
+              ) -> dict[str, Any]:
     model = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -339,6 +348,7 @@ def host_info(threads: int, flash_attn: bool) -> dict[str, Any]:
     except OSError:
         pass
     return {"cpu": model, "threads": threads or "all", "flash_attn": flash_attn,
+            "draft_flash_attn": draft_flash_attn,
             "llama.cpp": system_info()}
 
 

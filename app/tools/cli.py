@@ -74,9 +74,10 @@ def _common() -> argparse.ArgumentParser:
                              "measured cost of verifying it)")
     common.add_argument("--ctx", type=int, default=1024, help="context window in tokens")
     common.add_argument("--threads", type=int, default=0, help="0 = all cores")
-    common.add_argument("--flash-attn", choices=["on", "off"], default="on",
-                        help="flash attention (default on: a row's logits then do not depend "
-                             "on its batch's size, and one token costs less)")
+    common.add_argument("--flash-attn", choices=["auto", "on", "off"], default="auto",
+                        help="flash attention: on (a row's logits then do not depend on its "
+                             "batch's size), off, or auto (default): whichever decodes faster "
+                             "on this machine over the window, measured once per model")
     common.add_argument("--gpu-layers", type=int, default=0,
                         help="target layers offloaded to a GPU (-1: all; needs llama-cpp-python "
                              "built with a GPU backend)")
@@ -245,7 +246,8 @@ def engine_settings(args: argparse.Namespace) -> tuple[SpecConfig, ContextConfig
                       adaptive=not args.fixed_size)
     batch = max(budget.max_nodes, spec.chain_length) + 1 + max(args.lookahead, 0)
     config = ContextConfig(n_ctx=args.ctx, n_batch=max(64, batch), n_seq_max=256,
-                           n_threads=args.threads, flash_attn=args.flash_attn == "on")
+                           n_threads=args.threads,
+                           flash_attn={"auto": None, "on": True, "off": False}[args.flash_attn])
     return spec, config
 
 

@@ -51,21 +51,23 @@ class Loaded:
     info: ModelInfo
 
 
-def open_models(settings: AppSettings, threads: int) -> ModelPair:
+def open_models(settings: AppSettings, threads: int,
+                status: Callable[[str], None] | None = None) -> ModelPair:
     """The pair the settings name (the built-in one by default), with the built-in n-gram model
-    where the target's vocabulary is GPT-2's (it counts GPT-2 token ids)."""
+    where the target's vocabulary is GPT-2's (it counts GPT-2 token ids); ``status`` hears of
+    a first measurement of this machine."""
     target, draft = model_paths(settings)
     return open_pair(target, draft, settings.context(threads),
                      (settings.gpu_layers, settings.draft_gpu_layers),
                      ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
-                     ngram_optional=True)
+                     ngram_optional=True, measuring=status)
 
 
 def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:
     """Open the models, measure this machine's cost curves and plain decoding speed."""
     t0 = time.perf_counter()
     threads = settings.threads or app_threads()
-    pair = open_models(settings, threads)
+    pair = open_models(settings, threads, status)
     try:
         status("Measuring this machine's speed…")
         pair.measure_costs(settings.spec())
@@ -81,6 +83,8 @@ def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:
         target_path=str(target), draft_path=str(draft) if draft else None,
         builtin=is_builtin(settings.target_path), n_ctx=pair.target_ctx.n_ctx, threads=threads,
         has_ngram=pair.ngram_path is not None, plain_seconds_per_token=plain,
+        flash_attn=(pair.target_ctx.flash_attn,
+                    pair.draft_ctx.flash_attn if pair.draft_ctx is not None else None),
         verify_ms={n: t * 1000 for n, t in zip(cost.sizes, cost.seconds, strict=True)}
         if cost else {}, load_seconds=time.perf_counter() - t0, system=system_info())
     return Loaded(pair, engine, settings, info)

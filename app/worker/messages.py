@@ -27,6 +27,8 @@ class ModelInfo:
     verify_ms: dict[int, float]     # the target's measured cost of verifying n tokens
     load_seconds: float
     system: str = ""                # llama.cpp's build and CPU features
+    # flash attention in the target's and the draft's contexts (measured faster here)
+    flash_attn: tuple[bool, bool | None] = (True, None)
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

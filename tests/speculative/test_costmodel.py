@@ -323,3 +323,57 @@ def test_real_contexts_name_what_their_cost_depends_on(tiny_models) -> None:
                 LlamaContext(m, ContextConfig(n_ctx=64, n_batch=16, n_threads=2)) as two:
             assert one.cost_key != two.cost_key
             assert str(tiny_models["q8_0-target"].name) in one.cost_key
+
+
+class _Walking(FakeContext):
+    """Decodes that take ``base`` ms a token plus ``per_cell`` ms for every cell of context the
+    batch attends to: a flash-attention-like kernel (cheap alone, dear over a long context)
+    or a matrix-product one (the other way round)."""
+
+    def __init__(self, *args, base: float, per_cell: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.base, self.per_cell = base, per_cell
+
+    def decode(self, tokens, *args, **kwargs):
+        time.sleep(0.001 * (self.base * len(tokens) + self.per_cell * len(self.cells)))
+        return super().decode(tokens, *args, **kwargs)
+
+
+def test_window_costs_average_a_token_over_the_window() -> None:
+    """Timed after a quarter and three quarters of the window: for a cost linear in the
+    context, its mean over the window; both contexts left empty."""
+    from speculative.costmodel import window_costs
+
+    cheap_alone = _Walking(logit_table(5, seed=0), n_ctx=200, n_batch=64, base=1.0,
+                           per_cell=0.02)
+    flat = _Walking(logit_table(5, seed=0), n_ctx=200, n_batch=64, base=2.0, per_cell=0.002)
+    walking, matrix = window_costs([cheap_alone, flat], rounds=2)
+    assert walking == pytest.approx(0.001 + 0.00002 * 100, rel=0.25)  # 3 ms at mid-window
+    assert matrix == pytest.approx(0.002 + 0.000002 * 100, rel=0.25)  # 2.2 ms
+    assert cheap_alone.cells == [] and flat.cells == []
+
+
+def test_flash_attention_is_on_unless_off_is_measurably_faster(tmp_path) -> None:
+    """The choice is measured once per key and remembered; within SAME_SPEED of each other
+    the two settings count as equally fast and flash attention stays on (its rows do not
+    depend on their batch)."""
+    from speculative.costmodel import SAME_SPEED, cached_flash_attn
+
+    cache = tmp_path / "costs.json"
+    asked = []
+
+    def measure(on: float, off: float):
+        def timed() -> tuple[float, float]:
+            asked.append((on, off))
+            return on, off
+        return timed
+
+    assert cached_flash_attn("slow-walk", measure(3.0, 2.2), cache) is False
+    assert cached_flash_attn("slow-walk", measure(1.0, 9.0), cache) is False  # remembered
+    assert asked == [(3.0, 2.2)]
+    assert cached_flash_attn("fast-walk", measure(2.0, 2.2), cache) is True
+    close = 1.0 - SAME_SPEED / 2
+    assert cached_flash_attn("about-equal", measure(1.0, close), cache) is True
+    cache.write_text("not json")  # a broken cache: measured again
+    assert cached_flash_attn("slow-walk", measure(3.0, 2.2), cache) is False
+    assert len(asked) == 4

@@ -326,3 +326,31 @@ def test_every_truncation_of_a_small_file_is_refused(tmp_path: Path) -> None:
         with pytest.raises(ModelLoadError, match="GGUF file"):
             read_gguf_header(cut)
     assert read_gguf_header(tmp_path / "small.gguf").architecture == "llama"
+
+
+def test_a_pair_opened_with_flash_attention_left_to_the_machine_measures_it_once(
+        tiny_models, tmp_path, monkeypatch) -> None:
+    """``flash_attn=None``: each model's context gets the setting measured faster here (real
+    llama.cpp contexts, both settings timed once), remembered for the next opening; a context
+    asked for directly must say on or off."""
+    from speculative import costmodel
+    from speculative.backend import ContextConfig, LlamaContext, LlamaModel
+    from speculative.loading import open_pair
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    real = costmodel.window_costs
+    monkeypatch.setattr("speculative.loading.window_costs",
+                        lambda ctxs: measured.append(real(ctxs, rounds=1)) or measured[-1])
+    config = ContextConfig(n_ctx=128, n_batch=32, n_seq_max=64, n_threads=1, flash_attn=None)
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], config) as pair:
+        assert len(measured) == 2  # the target's and the draft's, each on and off
+        for ctx, (on, off) in ((pair.target_ctx, measured[0]), (pair.draft_ctx, measured[1])):
+            assert on > 0 and off > 0
+            assert ctx.flash_attn is (not off < (1 - costmodel.SAME_SPEED) * on)
+            assert ctx.seq_pos_max(0) == -1  # the pair starts empty
+        chosen = pair.target_ctx.flash_attn
+    with open_pair(tiny_models["q8_0-target"], None, config) as pair:
+        assert len(measured) == 2 and pair.target_ctx.flash_attn is chosen  # remembered
+    with LlamaModel(tiny_models["q8_0-target"]) as model, pytest.raises(ValueError):
+        LlamaContext(model, config)
