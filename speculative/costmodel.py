@@ -306,8 +306,18 @@ def window_costs(contexts: Sequence[Context], rounds: int = ROUNDS) -> list[floa
     return [float(np.mean(p)) for p in per_point]
 
 
+@dataclasses.dataclass(frozen=True, slots=True)
+class FlashChoice:
+    """Flash attention on or off for one model here, and what decided it: one token's seconds
+    over the window with it on and with it off (``window_costs``)."""
+
+    on: bool
+    seconds_on: float
+    seconds_off: float
+
+
 def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
-                      path: Path | None = None) -> bool:
+                      path: Path | None = None) -> FlashChoice:
     """Whether flash attention decodes faster on this machine (``key``: the model file, the
     machine, the settings, the window), as ``measure`` times it: (seconds with it on, off),
     from ``window_costs``. On unless off is faster by more than ``SAME_SPEED``: with it on a
@@ -317,8 +327,10 @@ def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
     digest = "flash-" + hashlib.sha256(key.encode()).hexdigest()[:24]
     entries = _read_cache(path)
     hit = entries.get(digest)
-    if isinstance(hit, dict) and isinstance(hit.get("flash_attn"), bool):
-        return hit["flash_attn"]
+    try:
+        return FlashChoice(hit["flash_attn"], hit["seconds"]["on"], hit["seconds"]["off"])
+    except (KeyError, TypeError):
+        pass  # not measured yet, or a broken entry: measure
     on, off = measure()
     choice = not off < (1.0 - SAME_SPEED) * on
     log.info("one token over the window: %.2f ms with flash attention, %.2f ms without: %s",
@@ -326,7 +338,7 @@ def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
     entries[digest] = {"flash_attn": choice, "seconds": {"on": on, "off": off},
                        "measured": time.time()}
     _write_cache(path, entries)
-    return choice
+    return FlashChoice(choice, on, off)
 
 
 MEASURE_ATTEMPTS = 3  # measurements of a curve before an untrusted one is used as it is

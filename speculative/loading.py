@@ -11,7 +11,7 @@ from collections.abc import Callable
 from pathlib import Path
 
 from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window, setting_key
-from .costmodel import VerifyCost, cached_flash_attn, window_costs
+from .costmodel import FlashChoice, VerifyCost, cached_flash_attn, window_costs
 from .engine import Engine, Learned
 from .errors import IncompatibleModels
 from .ngram import KatzTrigram
@@ -33,6 +33,8 @@ class ModelPair:
     # the target's and the draft's decode-cost curves, measured by the first engine that needs
     # them and handed to every later one
     costs: tuple[VerifyCost, VerifyCost | None] | None = None
+    # where flash attention was left to the machine: what was measured, by "target" / "draft"
+    flash: dict[str, FlashChoice] = dataclasses.field(default_factory=dict)
 
     def new_ngram(self) -> KatzTrigram | None:
         """A fresh copy of the n-gram model (an engine teaches its own the conversation)."""
@@ -119,11 +121,13 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
             n_ctx = fit_window(dataclasses.replace(config, n_ctx=n_ctx), d_model.n_ctx_train,
                                d_model.path.name)
         config = dataclasses.replace(config, n_ctx=n_ctx)
-        t_ctx = stack.enter_context(
-            LlamaContext(t_model, resolve_flash_attn(t_model, config, measuring)))
-        d_ctx = (stack.enter_context(
-            LlamaContext(d_model, resolve_flash_attn(d_model, config, measuring)))
-            if d_model is not None else None)
+        flash = {}
+        for name, model in (("target", t_model), ("draft", d_model)):
+            if model is not None and config.flash_attn is None:
+                flash[name] = flash_attn_choice(model, config, measuring)
+        t_ctx = stack.enter_context(LlamaContext(t_model, _with_flash(config, flash, "target")))
+        d_ctx = (stack.enter_context(LlamaContext(d_model, _with_flash(config, flash, "draft")))
+                 if d_model is not None else None)
         ngram_path = Path(ngram) if ngram is not None else None
         if ngram_path is not None:
             try:
@@ -134,20 +138,33 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
                 log.info("no n-gram model: %s", exc)
                 ngram_path = None
         stack.pop_all()  # success: the pair owns them now
-        return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path)
+        return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path, flash=flash)
+
+
+def _with_flash(config: ContextConfig, flash: dict[str, FlashChoice], name: str
+                ) -> ContextConfig:
+    return dataclasses.replace(config, flash_attn=flash[name].on) if name in flash else config
 
 
 def resolve_flash_attn(model: LlamaModel, config: ContextConfig,
                        measuring: Callable[[str], None] | None = None) -> ContextConfig:
     """``config`` with flash attention on or off: as it says, or where it leaves it to the
-    machine (None), whichever decodes ``model`` faster over the window here, measured once
-    per model file, machine and settings and remembered (``costmodel.cached_flash_attn``).
+    machine (None), as ``flash_attn_choice`` measured."""
+    if config.flash_attn is not None:
+        return config
+    return dataclasses.replace(config,
+                               flash_attn=flash_attn_choice(model, config, measuring).on)
+
+
+def flash_attn_choice(model: LlamaModel, config: ContextConfig,
+                      measuring: Callable[[str], None] | None = None) -> FlashChoice:
+    """Whether flash attention decodes ``model`` faster over the window here, measured once
+    per model file, machine and settings and remembered (``costmodel.cached_flash_attn``;
+    ``measuring`` is told before a measurement, for a status line).
 
     Which is faster is not the same everywhere: the CPU flash-attention kernel makes a short
     context's pass cheaper, but it walks the cached context row by row, and on some CPUs a pass
     then grows with the context several times faster than without it (README)."""
-    if config.flash_attn is not None:
-        return config
     key = "|".join(str(x) for x in (setting_key(model, config.n_threads, config.n_batch),
                                     config.n_ctx, config.n_seq_max))
 
@@ -160,4 +177,4 @@ def resolve_flash_attn(model: LlamaModel, config: ContextConfig,
             seconds = window_costs([on, off])
         return seconds[0], seconds[1]
 
-    return dataclasses.replace(config, flash_attn=cached_flash_attn(key, measure))
+    return cached_flash_attn(key, measure)

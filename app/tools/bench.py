@@ -132,6 +132,10 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         config = dataclasses.replace(config, flash_attn=pair.target_ctx.flash_attn)
         report["host"] = host_info(config.n_threads, config.flash_attn,
                                    pair.draft_ctx.flash_attn if pair.draft_ctx else None)
+        # where the machine chose: one token over the window with flash attention on and off
+        report["host"]["flash_ms"] = {
+            name: {"on": round(c.seconds_on * 1000, 2), "off": round(c.seconds_off * 1000, 2)}
+            for name, c in pair.flash.items()}
         cost = pair.measure_costs(spec)
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
         report["cost_context"] = {"target": _context(cost[0]),
@@ -391,6 +395,9 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
     lines = [f"target {report['target']}, draft {report['draft']}; {host['cpu']}, "
              f"{host['threads']} threads, flash attention {_on(host)}; {repeats} repeats "
              "(median, min-max)"]
+    for name, ms in (host.get("flash_ms") or {}).items():
+        lines.append(f"{name}: one token over the window {ms['on']:.1f} ms with flash "
+                     f"attention, {ms['off']:.1f} ms without (measured once on this machine)")
     t = report["cost_ms"]["target"]
     one = t["1"]
     lines.append("target cost(n) ms: " + "  ".join(
@@ -470,7 +477,10 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
     lines = [f"Target `{report['target']}`, draft `{report['draft']}`; {host['cpu']}, "
              f"{host['threads']} threads, flash attention {_on(host)}; target pass "
              f"{t['1']:.1f} ms for one token, "
-             f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range).", ""]
+             f"cost(n)/cost(1) {curve}; median of {repeats} repeats (range)."
+             + "".join(f" {name.capitalize()}: one token over the window {ms['on']:.1f} ms "
+                       f"with flash attention, {ms['off']:.1f} ms without."
+                       for name, ms in (host.get("flash_ms") or {}).items()), ""]
     for cell in report["cells"]:
         lines += [f"**{cell['sampling']}, {cell['prompts']} prompts**", "",
                   "| mode | tokens/s | speedup | meter | of ceiling | tau | nodes/pass "

@@ -368,12 +368,13 @@ def test_flash_attention_is_on_unless_off_is_measurably_faster(tmp_path) -> None
             return on, off
         return timed
 
-    assert cached_flash_attn("slow-walk", measure(3.0, 2.2), cache) is False
-    assert cached_flash_attn("slow-walk", measure(1.0, 9.0), cache) is False  # remembered
+    slow = cached_flash_attn("slow-walk", measure(3.0, 2.2), cache)
+    assert not slow.on and (slow.seconds_on, slow.seconds_off) == (3.0, 2.2)
+    assert cached_flash_attn("slow-walk", measure(1.0, 9.0), cache) == slow  # remembered
     assert asked == [(3.0, 2.2)]
-    assert cached_flash_attn("fast-walk", measure(2.0, 2.2), cache) is True
+    assert cached_flash_attn("fast-walk", measure(2.0, 2.2), cache).on
     close = 1.0 - SAME_SPEED / 2
-    assert cached_flash_attn("about-equal", measure(1.0, close), cache) is True
+    assert cached_flash_attn("about-equal", measure(1.0, close), cache).on
     cache.write_text("not json")  # a broken cache: measured again
-    assert cached_flash_attn("slow-walk", measure(3.0, 2.2), cache) is False
+    assert not cached_flash_attn("slow-walk", measure(3.0, 2.2), cache).on
     assert len(asked) == 4

@@ -349,6 +349,7 @@ def test_a_pair_opened_with_flash_attention_left_to_the_machine_measures_it_once
             assert on > 0 and off > 0
             assert ctx.flash_attn is (not off < (1 - costmodel.SAME_SPEED) * on)
             assert ctx.seq_pos_max(0) == -1  # the pair starts empty
+        assert pair.flash["target"].seconds_on == measured[0][0]  # what decided it
         chosen = pair.target_ctx.flash_attn
     with open_pair(tiny_models["q8_0-target"], None, config) as pair:
         assert len(measured) == 2 and pair.target_ctx.flash_attn is chosen  # remembered
