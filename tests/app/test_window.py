@@ -140,7 +140,7 @@ def test_a_race_finishes_with_identical_texts_at_temperature_0(qtbot, window: Ma
     assert result.identical and result.plain.tokens
     assert result.speedup > 0
     # the built-in pair writes a reply in well under a second: the race ran more rounds,
-    # alternating which side went first, until each side's pooled time was a second or more
+    # alternating which side went first, until each side's pooled time was RACE_SECONDS or more
     from app.worker.racing import MAX_ROUNDS, RACE_SECONDS
     n = result.tokens
     pooled = [result.plain.run.seconds_until(n), result.speculative.run.seconds_until(n)]
