@@ -6,8 +6,8 @@ both wrote.
 
 A short race is repeated: on a fast model a run takes a fraction of a second, and the machine's
 jitter (another program, the CPU's clock, a thread waking) moves such a run by a quarter, as
-much as speculation changes it; a run of a few seconds still moves by a tenth (races of
-identical work, the target alone on both sides, read 0.90-1.14 on a shared 2-core host). While
+much as speculation changes it, and a run of a few seconds on a shared machine still moves by
+more than the meter is asked to agree with the race (README: races of identical work). While
 either side's pooled time is under ``RACE_SECONDS``, both run again, the order alternating
 (speculation first, then plain first, ...) so that a warm-up or a drift favours neither; the
 verdict pools every round's time for the same tokens. The replay shows the first round.

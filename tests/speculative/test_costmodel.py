@@ -348,8 +348,9 @@ def test_window_costs_average_a_token_over_the_window() -> None:
                            per_cell=0.02)
     flat = _Walking(logit_table(5, seed=0), n_ctx=200, n_batch=64, base=2.0, per_cell=0.002)
     walking, matrix = window_costs([cheap_alone, flat], rounds=2)
-    assert walking == pytest.approx(0.001 + 0.00002 * 100, rel=0.25)  # 3 ms at mid-window
-    assert matrix == pytest.approx(0.002 + 0.000002 * 100, rel=0.25)  # 2.2 ms
+    # each fake's cost one token takes after half the window (100 cells)
+    assert walking == pytest.approx(0.001 + 0.00002 * 100, rel=0.25)
+    assert matrix == pytest.approx(0.002 + 0.000002 * 100, rel=0.25)
     assert cheap_alone.cells == [] and flat.cells == []
 
 
