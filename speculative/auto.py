@@ -44,6 +44,14 @@ their batch. Rates measured at different moments differ more with the text (a ne
 docstring against code) than the kinds differ from each other; paired on the same steps, the
 text's difficulty cancels (``Paired``).
 
+What was measured carries over: from one sampling to the other and back (sampled trees accept
+far less than greedy ones, so each sampling has its own measurements), and, through
+``Planner.memory`` and ``Planner.recall``, from one run of the app to the next on the same models
+and machine. A recalled measurement counts as ``RECALL_STEPS`` steps, enough to be trusted from
+the first step and soon outweighed by the run's own: a new run starts with the kind that was
+fastest, instead of paying again to find it (the first reply of a fresh start would otherwise
+measure every kind, the draft's reading of the prompt included).
+
 Every choice depends on past steps and this step's distributions, never on this step's sampled
 tokens, so ``auto`` is as exact as the tree modes it is made of.
 """
@@ -51,10 +59,13 @@ tokens, so ``auto`` is as exact as the tree modes it is made of.
 from __future__ import annotations
 
 import dataclasses
+import logging
+import math
 import time
 from collections.abc import Mapping, Sequence
+from typing import Any
 
-from .costmodel import Running
+from .costmodel import Running, recalled_sums, shrink
 from .drafting import DraftTree, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
 from .plan import Alternative, Path, Scorer, StepKind, StepPlan
 from .policies import (
@@ -67,6 +78,8 @@ from .policies import (
 from .sizing import Sizer
 from .tree import TokenTree
 
+log = logging.getLogger(__name__)
+
 EXPLORE_EVERY = 24  # steps after which a kind of step not the fastest is tried again
 MAX_BACKOFF = 16    # at most this many times longer while explorations keep losing
 EXPLORE_SHARE = 0.02   # time auto may lose to exploring, as a share of its time, at most
@@ -75,6 +88,7 @@ FULL_SHARE_LEAD = 0.1  # the fastest kind's lead over the target alone that earn
 START_STEPS = 4        # plain steps' time a fresh planner may lose to exploring
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
+RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
 @dataclasses.dataclass(slots=True)
@@ -97,6 +111,16 @@ class Rate:
     @property
     def measured(self) -> bool:
         return self.steps >= MIN_STEPS
+
+    def memory(self) -> list[float]:
+        return [self.mean.total, self.mean.weight, self.steps]
+
+    @classmethod
+    def recalled(cls, memory: Sequence[float], steps: float) -> Rate:
+        """A rate from ``memory``, weighing ``steps`` steps at most."""
+        total, weight, seen = recalled_sums(memory, 3)
+        k = shrink(seen, steps)
+        return cls(Running(total * k, weight * k, prior=0.0), min(seen, steps))
 
 
 @dataclasses.dataclass(slots=True)
@@ -130,6 +154,16 @@ class Paired:
         """The ran kind's rate over the other's on the same steps."""
         return (self.tokens / self.seconds) / (self.alt_tokens / self.alt_seconds)
 
+    def memory(self) -> list[float]:
+        return [self.tokens, self.seconds, self.alt_tokens, self.alt_seconds, self.steps]
+
+    @classmethod
+    def recalled(cls, memory: Sequence[float], steps: float) -> Paired:
+        """Timings from ``memory``, weighing ``steps`` steps at most (their ratio kept)."""
+        *sums, seen = recalled_sums(memory, 5)
+        k = shrink(seen, steps)
+        return cls(*(x * k for x in sums), min(seen, steps))
+
 
 def counterfactual_tokens(tree: TokenTree, written: Sequence[int]) -> int:
     """Tokens a greedy step verifying ``tree`` would have emitted where the target wrote
@@ -158,6 +192,10 @@ def _counts(value: int) -> dict[StepKind, int]:
     return dict.fromkeys(StepKind, value)
 
 
+def _sampling(greedy: bool) -> str:
+    return "greedy" if greedy else "sampled"
+
+
 @dataclasses.dataclass(slots=True)
 class Planner:
     """What ``auto`` has measured of its steps: each kind's rate, when to explore each, the
@@ -179,6 +217,10 @@ class Planner:
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
     # seconds a kind must spend catching up before its next step (``observe_catch_up``)
     catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
+    # what was measured under the sampling not running now (or recalled, not yet running), by
+    # ``_sampling`` name: picked up again when a reply of that sampling begins (``new_text``),
+    # each measurement weighing that many steps at most (put aside in this run: all it had)
+    stashed: dict[str, tuple[dict[str, Any], float]] = dataclasses.field(default_factory=dict)
 
     # --- questions (they change nothing) ---
 
@@ -277,12 +319,72 @@ class Planner:
     # --- what happened ---
 
     def new_text(self, greedy: bool) -> None:
-        """A new reply begins; rates measured under the other sampling do not carry over
-        (sampled trees accept far less than greedy ones)."""
-        if self.greedy is not None and greedy != self.greedy:
+        """A new reply begins; what was measured under the other sampling does not carry over
+        (sampled trees accept far less than greedy ones): it is put aside, and what was
+        measured under this one before, if anything, is picked up again."""
+        if greedy == self.greedy:
+            return
+        if self.greedy is not None:
+            self.stashed[_sampling(self.greedy)] = (self._measures(), math.inf)
             self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
             self.pairs, self.held = {}, None
         self.greedy = greedy
+        stashed = self.stashed.pop(_sampling(greedy), None)
+        if stashed is not None:
+            try:
+                self._restore(*stashed)
+            except (KeyError, TypeError, ValueError) as exc:
+                log.info("auto's measurements of %s steps not recalled: %r",
+                         _sampling(greedy), exc)
+
+    def memory(self) -> dict[str, Any]:
+        """What this planner measured, as JSON-able data for a later run on the same models
+        and machine (``recall``): each sampling's rates and paired timings of every kind, the
+        waits before exploring each, the kind that ran last, and the n-gram's hit rate."""
+        sampling = {name: measures for name, (measures, _) in self.stashed.items()}
+        if self.greedy is not None:
+            sampling[_sampling(self.greedy)] = self._measures()
+        return {"sampling": sampling, "ngram_hits": self.ngram_hits.memory()}
+
+    def recall(self, memory: Mapping[str, Any]) -> None:
+        """Carry on from ``memory()`` of an earlier run, each measurement counting as
+        ``RECALL_STEPS`` steps at most; taken up when a reply of its sampling begins (a
+        planner that has measured something of its own keeps that). Raises ValueError for a
+        memory it cannot read."""
+        try:
+            sampling = {str(name): dict(m) for name, m in memory["sampling"].items()}
+            hits = self.ngram_hits.recalled(memory["ngram_hits"], RECALL_STEPS)
+        except (KeyError, TypeError, AttributeError, ValueError) as exc:
+            raise ValueError(f"not a planner's memory: {exc!r}") from exc
+        if self.elapsed > 0:
+            return  # measured here already: newer than the memory
+        self.ngram_hits = hits
+        self.stashed = {name: (m, RECALL_STEPS) for name, m in sampling.items()}
+        if self.greedy is not None:  # a reply's sampling is known: take its measurements
+            greedy, self.greedy = self.greedy, None
+            self.new_text(greedy)
+
+    def _measures(self) -> dict[str, Any]:
+        """This sampling's measurements (see ``memory``)."""
+        return {"rates": {k.value: r.memory() for k, r in self.rates.items()},
+                "pairs": [[a.value, b.value, *p.memory()] for (a, b), p in self.pairs.items()],
+                "every": {k.value: n for k, n in self.every.items()},
+                "held": self.held.value if self.held is not None else None}
+
+    def _restore(self, measures: Mapping[str, Any], steps: float) -> None:
+        """Take up ``_measures()`` of an earlier run or sampling, each weighing ``steps``
+        steps at most; the waits before exploring start over from the recalled ones."""
+        rates = {StepKind(k): Rate.recalled(m, steps) for k, m in measures["rates"].items()}
+        pairs = {(StepKind(a), StepKind(b)): Paired.recalled(m, steps)
+                 for a, b, *m in measures["pairs"]}
+        every = {StepKind(k): min(max(int(n), 1), EXPLORE_EVERY * MAX_BACKOFF)
+                 for k, n in measures["every"].items()}
+        held = StepKind(measures["held"]) if measures["held"] is not None else None
+        self.rates = {**_rates(), **rates}
+        self.pairs = pairs
+        self.every = {**_counts(EXPLORE_EVERY), **every}
+        self.idle = _counts(0)
+        self.held = held
 
     def observe_step(self, kind: StepKind, tokens: int, seconds: float,
                      switch: float = 0.0,

@@ -35,10 +35,12 @@ import dataclasses
 import hashlib
 import json
 import logging
+import math
 import os
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -224,9 +226,14 @@ def _measure_switch(ctx: Context, prefix: int, pairs: int) -> float:
     return max(0.0, float(np.median(differences)))
 
 
-def cache_path() -> Path:
+def cache_dir() -> Path:
+    """Where what is measured of this machine is remembered between runs."""
     base = os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache"
-    return Path(base) / "staged-chat" / "costs.json"
+    return Path(base) / "staged-chat"
+
+
+def cache_path() -> Path:
+    return cache_dir() / "costs.json"
 
 
 def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
@@ -247,7 +254,7 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     sizes = curve_sizes(max_tokens)
     how = f"{key}|{max_tokens}|{sizes}|{ROUNDS}|{PREFIX}|{FAR}|{FAR_SIZES}"
     digest = hashlib.sha256(how.encode()).hexdigest()[:24]
-    entries = _read_cache(path)
+    entries = read_cache(path)
     hit = entries.get(digest)
     cached = _from_entry(hit) if hit is not None and not refresh else None
     if cached is not None:
@@ -261,18 +268,18 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
                        "switch": cost.switch, "context": cost.context,
                        "per_context": list(cost.per_context), "measured": time.time(),
                        "reproduced": not plausible(cost)}
-    _write_cache(path, entries)
+    write_cache(path, entries)
     return cost
 
 
-def _write_cache(path: Path, entries: dict) -> None:
+def write_cache(path: Path, entries: dict) -> None:
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")
         tmp.write_text(json.dumps(entries))
         tmp.replace(path)
     except OSError as exc:
-        log.info("decode costs not cached: %s", exc)
+        log.info("%s not written: %s", path, exc)
 
 
 WINDOW_POINTS = (0.25, 0.75)  # where in the window a setting's single-token cost is timed
@@ -325,7 +332,7 @@ def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
     bit for bit (``speculative.engine``). Remembered beside the cost curves."""
     path = path or cache_path()
     digest = "flash-" + hashlib.sha256(key.encode()).hexdigest()[:24]
-    entries = _read_cache(path)
+    entries = read_cache(path)
     hit = entries.get(digest)
     try:
         return FlashChoice(hit["flash_attn"], hit["seconds"]["on"], hit["seconds"]["off"])
@@ -337,7 +344,7 @@ def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
              on * 1000, off * 1000, "on" if choice else "off")
     entries[digest] = {"flash_attn": choice, "seconds": {"on": on, "off": off},
                        "measured": time.time()}
-    _write_cache(path, entries)
+    write_cache(path, entries)
     return FlashChoice(choice, on, off)
 
 
@@ -404,7 +411,7 @@ def _from_entry(entry: dict) -> VerifyCost | None:
         return None
 
 
-def _read_cache(path: Path) -> dict:
+def read_cache(path: Path) -> dict:
     try:
         data = json.loads(path.read_text())
     except (OSError, ValueError):
@@ -475,6 +482,30 @@ class Running:
     def value(self) -> float:
         return self.total / self.weight if self.weight > 0 else self.prior
 
+    def memory(self) -> list[float]:
+        return [self.total, self.weight]
+
+    def recalled(self, memory: Sequence[Any], weight: float) -> Running:
+        """This mean's settings with ``memory``'s sums, weighing ``weight`` at most."""
+        total, seen = recalled_sums(memory, 2)
+        k = shrink(seen, weight)
+        return Running(total * k, seen * k, self.decay, self.prior)
+
+
+def recalled_sums(memory: Sequence[Any], n: int) -> list[float]:
+    """``n`` decayed sums remembered from an earlier run: finite and not negative, or
+    ValueError."""
+    values = [float(x) for x in memory]
+    if len(values) != n or not all(math.isfinite(x) and x >= 0.0 for x in values):
+        raise ValueError(f"not {n} sums: {memory!r}")
+    return values
+
+
+def shrink(seen: float, weight: float) -> float:
+    """The factor that makes ``seen`` count as ``weight`` at most (a recalled measurement
+    weighs a few new ones, so that a run's own soon outweigh it)."""
+    return min(1.0, weight / seen) if seen > 0 else 1.0
+
 
 @dataclasses.dataclass(slots=True)
 class Calibration:
@@ -499,3 +530,13 @@ class Calibration:
             return
         self.accepted = self.decay * self.accepted + accepted
         self.predicted = self.decay * self.predicted + predicted
+
+    def memory(self) -> list[float]:
+        return [self.accepted, self.predicted]
+
+    def recalled(self, memory: Sequence[Any], weight: float) -> Calibration:
+        """This calibration's settings with ``memory``'s sums, worth ``weight`` predicted
+        tokens at most."""
+        accepted, predicted = recalled_sums(memory, 2)
+        k = shrink(predicted, weight)
+        return Calibration(accepted * k, predicted * k, self.decay, self.prior)

@@ -13,11 +13,12 @@ from __future__ import annotations
 
 import dataclasses
 import time
-from collections.abc import Callable, Collection, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
+from typing import Any
 
 import numpy as np
 
-from .auto import AutoPolicy, Planner
+from .auto import RECALL_STEPS, AutoPolicy, Planner
 from .costmodel import Running, VerifyCost
 from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
@@ -111,6 +112,34 @@ class Engine:
         self.res.planner = learned.planner
         self.res.sizer = learned.planner.sizer if learned.planner is not None else None
         self.res.calibrations = learned.calibrations
+
+    def memory(self) -> dict[str, Any]:
+        """What this engine learned, as JSON-able data for a later run of a program on the same
+        models and machine (``recall``): ``auto``'s planner, the calibrations, and the draft's
+        running confidence."""
+        res = self.res
+        return {"planner": res.planner.memory() if res.planner is not None else None,
+                "calibrations": res.calibrations.memory(),
+                "confidence": res.sizer.confidence.memory() if res.sizer is not None else None}
+
+    def recall(self, memory: Mapping[str, Any]) -> None:
+        """Carry on from ``memory()`` of an earlier run, each measurement weighing a few
+        steps (``auto.RECALL_STEPS``): the first reply then starts where the last run left
+        off. Needs the cost curves (``measure_cost``: measured now if nobody has). ValueError
+        for a memory it cannot read (nothing is then changed)."""
+        self.measure_cost()
+        res = self.res
+        assert res.planner is not None and res.sizer is not None
+        try:
+            calibrations = res.calibrations.recalled(memory["calibrations"], RECALL_STEPS)
+            confidence = (res.sizer.confidence.recalled(memory["confidence"], RECALL_STEPS)
+                          if memory["confidence"] is not None else res.sizer.confidence)
+            planner = memory["planner"]
+        except (KeyError, TypeError) as exc:
+            raise ValueError(f"not an engine's memory: {exc!r}") from exc
+        if planner is not None:
+            res.planner.recall(planner)
+        res.calibrations, res.sizer.confidence = calibrations, confidence
 
     def check(self, config: SpecConfig) -> None:
         if config.mode.needs_draft and self.draft is None:

@@ -1,17 +1,31 @@
 """Opening the models an engine runs on: a target/draft pair with contexts sized for the
 speculation settings, the n-gram model file, and the cost curves every engine on the pair
-shares. The app's worker, the CLI, the benchmark and the diagnostics all open engines here."""
+shares. The app's worker, the CLI, the benchmark and the diagnostics all open engines here.
+
+A program that runs for a user (the app, the local server) also keeps what its engine learned
+of these models on this machine (``ModelPair.remember``) and starts the next run's engine from
+it (``ModelPair.recall``), beside the cost curves; benchmarks start fresh."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
+import time
 from collections.abc import Callable
 from pathlib import Path
 
 from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window, setting_key
-from .costmodel import FlashChoice, VerifyCost, cached_flash_attn, window_costs
+from .costmodel import (
+    FlashChoice,
+    VerifyCost,
+    cache_dir,
+    cached_flash_attn,
+    read_cache,
+    window_costs,
+    write_cache,
+)
 from .engine import Engine, Learned
 from .errors import IncompatibleModels
 from .ngram import KatzTrigram
@@ -68,6 +82,41 @@ class ModelPair:
             self.costs = (probe.verify_cost, probe.draft_cost)
         return self.costs
 
+    def memory_key(self) -> str:
+        """What an engine's memory depends on: both models' files, this machine, the contexts'
+        settings (``LlamaContext.cost_key``) and the n-gram model's file."""
+        ngram = "-"
+        if self.ngram_path is not None:
+            stat = self.ngram_path.stat()
+            ngram = f"{self.ngram_path.resolve()}|{stat.st_size}|{int(stat.st_mtime)}"
+        draft = self.draft_ctx.cost_key if self.draft_ctx is not None else "-"
+        key = f"{self.target_ctx.cost_key}||{draft}||{ngram}"
+        return hashlib.sha256(key.encode()).hexdigest()[:24]
+
+    def recall(self, engine: Engine, path: Path | None = None) -> bool:
+        """Start ``engine`` (on this pair, its cost curves measured) from what an engine on
+        these models learned in an earlier run (``remember``); whether there was something to
+        recall. A memory that cannot be read is ignored."""
+        if self.costs is None:
+            return False
+        entry = read_cache(path or learned_path()).get(self.memory_key())
+        if not isinstance(entry, dict) or not isinstance(entry.get("memory"), dict):
+            return False
+        try:
+            engine.recall(entry["memory"])
+        except ValueError as exc:
+            log.info("what an earlier run learned is not recalled: %s", exc)
+            return False
+        return True
+
+    def remember(self, engine: Engine, path: Path | None = None) -> None:
+        """Keep what ``engine`` learned for a later run's engine on these models
+        (``recall``); a file that cannot be written is let be."""
+        path = path or learned_path()
+        entries = read_cache(path)
+        entries[self.memory_key()] = {"memory": engine.memory(), "saved": time.time()}
+        write_cache(path, entries)
+
     def close(self) -> None:
         for obj in (self.draft_ctx, self.draft, self.target_ctx, self.target):
             if obj is not None:
@@ -78,6 +127,10 @@ class ModelPair:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def learned_path() -> Path:
+    return cache_dir() / "learned.json"
 
 
 def check_compatible(target: LlamaModel, draft: LlamaModel) -> None:

@@ -12,6 +12,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 from collections.abc import Mapping
+from typing import Any
 
 from .costmodel import Calibration, Running
 from .drafting import DraftCounters, Drafter, DraftTree
@@ -99,6 +100,28 @@ class Calibrations:
 
     def factor(self, scorer: Scorer) -> float:
         return self.by_scorer[scorer].factor
+
+    def memory(self) -> dict[str, Any]:
+        """JSON-able sums, for a later run on the same models (``recalled``)."""
+        return {"by_scorer": {s.value: c.memory() for s, c in self.by_scorer.items()},
+                "stage2": self.stage2.memory(),
+                "stage2_used_per_call": self.stage2_used_per_call.memory(),
+                "stage2_width": self.stage2_width.memory()}
+
+    def recalled(self, memory: Mapping[str, Any], weight: float) -> Calibrations:
+        """These calibrations carried on from ``memory()`` of an earlier run, each worth
+        ``weight`` predicted tokens (or draft calls) at most; ValueError for a memory it
+        cannot read."""
+        try:
+            by_scorer = {**self.by_scorer, **{
+                Scorer(s): self.by_scorer[Scorer(s)].recalled(m, weight)
+                for s, m in memory["by_scorer"].items()}}
+            return Calibrations(
+                by_scorer, self.stage2.recalled(memory["stage2"], weight),
+                self.stage2_used_per_call.recalled(memory["stage2_used_per_call"], weight),
+                self.stage2_width.recalled(memory["stage2_width"], weight))
+        except (KeyError, TypeError, AttributeError) as exc:
+            raise ValueError(f"not calibrations: {exc!r}") from exc
 
     def observe(self, plan: StepPlan, accepted_nodes: list[int]) -> None:
         """Each calibration the plan names learns its nodes' hits and summed raw scores."""

@@ -44,3 +44,4 @@ class EngineThread:
             if self._closing.is_set():
                 job.cancel()
             run_job(job, self._pair, self._engine)
+            self._pair.remember(self._engine)  # what it learned, for the next run

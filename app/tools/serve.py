@@ -55,6 +55,7 @@ def serve(args: argparse.Namespace, out: TextIO) -> int:
                        ngram_optional=args.ngram is None) as pair:
             pair.measure_costs(spec)  # every mode a request may ask for sizes its trees by them
             engine = pair.engine(spec)
+            pair.recall(engine)  # what an earlier run of the app or server learned
             card = card_for(pair, spec, defaults, chat_format)
             engine_thread = EngineThread(pair, engine, card)
             try:

@@ -72,6 +72,7 @@ def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:
         status("Measuring this machine's speed…")
         pair.measure_costs(settings.spec())
         engine = pair.engine(settings.spec())
+        pair.recall(engine)  # what the last run on these models learned of this machine
         plain = time_plain(engine, pair)
     except BaseException:
         pair.close()

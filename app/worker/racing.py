@@ -35,7 +35,7 @@ from speculative.text import TextStream
 Progress = Callable[[str, int], None]  # mode, tokens so far
 
 RACE_SECONDS = 5.0  # each side's pooled generation time the verdict should rest on, at least
-MAX_ROUNDS = 8      # extra rounds at most (a very short reply stays a short measure)
+MAX_ROUNDS = 24     # extra rounds at most (a very short reply stays a short measure)
 
 
 class RaceStopped(Exception):

@@ -110,6 +110,7 @@ class EngineWorker(QObject):
             log.exception("generation failed")
             self._failed(request, exc, reply)
         finally:
+            self._remember()
             self.status.emit("Ready" if self._engine is not None else "No model loaded")
 
     @Slot(object)
@@ -131,6 +132,7 @@ class EngineWorker(QObject):
         finally:
             if self._engine is not None and self._settings is not None:
                 self._engine.config = self._settings.spec()
+            self._remember()
             self.status.emit("Ready" if self._engine is not None else "No model loaded")
 
     @Slot(object)
@@ -149,6 +151,7 @@ class EngineWorker(QObject):
         try:
             run_job(job, self._pair, self._engine)  # every failure becomes the job's event
         finally:
+            self._remember()
             self.status.emit("Ready")
 
     @Slot(str, object)
@@ -169,6 +172,11 @@ class EngineWorker(QObject):
     def _failed(self, request: ChatRequest, exc: BaseException, reply: Reply | None) -> None:
         partial = reply.partial() if reply is not None else None
         self.failed.emit(ReplyFailed(request.request_id, loading.reason(exc), partial))
+
+    def _remember(self) -> None:
+        """Keep what the engine learned for the next start (``ModelPair.remember``)."""
+        if self._pair is not None and self._engine is not None:
+            self._pair.remember(self._engine)
 
     def _ready(self, settings: AppSettings) -> Engine:
         """The engine for these settings, reloading models only when they need it."""

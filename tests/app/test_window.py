@@ -425,3 +425,31 @@ def test_the_settings_dialog_edits_the_repetition_control(qtbot, window: MainWin
     assert seen[-1].repetition == "custom"
     params = seen[-1].sampling(3)
     assert (params.dry_multiplier, params.repeat_penalty, params.seed) == (1.5, 1.2, 3)
+
+
+def test_a_restarted_app_starts_from_what_the_last_run_learned(qtbot, data_dir: Path) -> None:
+    """``auto`` measures which kind of step is fastest on this machine; after each reply that
+    is kept beside the cost curves, and the next start of the app on the same models takes
+    it up, so that its first reply does not pay to find it again."""
+    from speculative.loading import learned_path
+
+    window = _open(qtbot, data_dir, mode="auto")
+    _reply(qtbot, window, PROMPT)
+    worker = window.controller.worker
+    key = worker._pair.memory_key()
+    learned = worker._engine.planner
+    assert learned is not None and learned.held is not None
+    kept = json.loads(learned_path().read_text())[key]["memory"]
+    assert "greedy" in kept["planner"]["sampling"]
+    window.close()
+
+    again = _open(qtbot, data_dir, mode="auto")
+    planner = again.controller.worker._engine.planner
+    assert planner is not None and planner.elapsed == 0  # nothing measured of its own yet
+    planner.new_text(greedy=True)  # as its first greedy reply begins: the last run's measures
+    assert planner.held is learned.held
+    assert [r.measured for r in planner.rates.values()] == [
+        r.measured for r in learned.rates.values()]
+    _reply(qtbot, again, "import os\n")
+    assert again.controller.worker._engine.planner.elapsed > 0
+    again.close()

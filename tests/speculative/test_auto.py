@@ -14,6 +14,7 @@ from speculative.auto import (
     EXPLORE_FLOOR,
     EXPLORE_SHARE,
     FULL_SHARE_LEAD,
+    RECALL_STEPS,
     START_STEPS,
     Planner,
 )
@@ -467,14 +468,113 @@ def test_the_draft_catching_up_is_not_counted_against_drafting() -> None:
 
 
 def test_rates_measured_under_the_other_sampling_start_over() -> None:
+    """Each sampling has its own measurements: a sampled reply starts without the greedy
+    ones, and the next greedy reply takes them up again."""
     planner = _planner()
     planner.new_text(greedy=True)
     for _ in range(4):
         planner.observe_step(StepKind.DRAFT, 3, 1.0)
     planner.new_text(greedy=True)
     assert planner.rates[StepKind.DRAFT].measured
+    greedy = planner.speed(StepKind.DRAFT)
     planner.new_text(greedy=False)
     assert not planner.rates[StepKind.DRAFT].measured
+    for _ in range(4):
+        planner.observe_step(StepKind.DRAFT, 1, 1.0)
+    planner.new_text(greedy=True)
+    assert planner.rates[StepKind.DRAFT].measured
+    assert planner.speed(StepKind.DRAFT) == pytest.approx(greedy)
+    planner.new_text(greedy=False)
+    assert planner.rates[StepKind.DRAFT].value == pytest.approx(1.0)
+
+
+def _measured(seconds: dict[StepKind, float], greedy: bool = True) -> Planner:
+    """A planner that has measured every kind, each step giving one token in its seconds."""
+    planner = _planner()
+    planner.new_text(greedy)
+    planner.regret = -1e9  # budget to spare
+    _take(planner, seconds, 4 * EXPLORE_EVERY)
+    return planner
+
+
+def test_a_new_run_starts_from_what_the_last_one_measured() -> None:
+    """``memory`` survives JSON; a fresh planner that recalls it runs the kind the last run
+    found fastest from its first step, without measuring the others again first, and the
+    recalled measurements weigh only ``RECALL_STEPS`` steps: when this run's text makes
+    another kind faster, its own steps soon decide."""
+    import json
+
+    seconds = {StepKind.DRAFT: 2.0, StepKind.GUESSES: 0.5, StepKind.ROOT: 1.0}
+    old = _measured(seconds)
+    assert old.held is StepKind.GUESSES
+    memory = json.loads(json.dumps(old.memory()))
+
+    fresh = _planner()
+    fresh.new_text(greedy=True)
+    assert _take(fresh, seconds, 3)[0] is StepKind.DRAFT  # without memory: measures first
+
+    new = _planner()
+    new.recall(memory)
+    new.new_text(greedy=True)
+    assert new.held is StepKind.GUESSES and not new.runs_first(StepKind.DRAFT)
+    assert new.speed(StepKind.GUESSES) == pytest.approx(old.speed(StepKind.GUESSES))
+    assert all(r.steps <= RECALL_STEPS for r in new.rates.values())
+    assert _take(new, seconds, EXPLORE_EVERY - 1) == [StepKind.GUESSES] * (EXPLORE_EVERY - 1)
+    # the text changes: the n-gram now loses to the target alone, and the run's own steps
+    # take over within a few
+    worse = {**seconds, StepKind.GUESSES: 3.0}
+    taken = _take(new, worse, 12)
+    assert taken[-4:] == [StepKind.ROOT] * 4
+
+
+def test_a_memory_is_taken_up_by_its_own_sampling_only() -> None:
+    """A memory holds each sampling's measurements apart: recalled before a sampled reply, it
+    gives the sampled ones; a planner that has measured in this run keeps its own."""
+    greedy = _measured({StepKind.DRAFT: 0.5, StepKind.GUESSES: 2.0, StepKind.ROOT: 1.0})
+    greedy.new_text(False)
+    for _ in range(4):
+        greedy.observe_step(StepKind.ROOT, 1, 1.0)
+    memory = greedy.memory()
+    assert set(memory["sampling"]) == {"greedy", "sampled"}
+
+    sampled = _planner()
+    sampled.recall(memory)
+    sampled.new_text(greedy=False)
+    assert sampled.rates[StepKind.ROOT].measured
+    assert not sampled.rates[StepKind.DRAFT].measured
+    sampled.new_text(greedy=True)
+    assert sampled.held is StepKind.DRAFT
+
+    busy = _planner()
+    busy.new_text(greedy=True)
+    busy.observe_step(StepKind.ROOT, 1, 1.0)
+    busy.recall(memory)
+    assert busy.held is None and not busy.rates[StepKind.DRAFT].measured
+
+
+@pytest.mark.parametrize("memory", [
+    {}, {"sampling": {}}, {"sampling": [], "ngram_hits": [1, 2]},
+    {"sampling": {}, "ngram_hits": [1.0, float("nan")]}, {"sampling": {}, "ngram_hits": [1]},
+    {"sampling": {}, "ngram_hits": [-1.0, 2.0]}, {"sampling": {}, "ngram_hits": "no"},
+])
+def test_a_memory_that_cannot_be_read_changes_nothing(memory) -> None:
+    planner = _planner()
+    before = planner.memory()
+    with pytest.raises(ValueError):
+        planner.recall(memory)
+    assert planner.memory() == before
+
+
+def test_broken_measurements_in_a_memory_are_measured_again() -> None:
+    """A sampling's entry that cannot be read (a file edited by hand, another version's) is
+    let be when its reply begins: the kinds are measured as on a fresh start."""
+    memory = {"sampling": {"greedy": {"rates": {"draft": [1, 2]}, "pairs": [], "every": {},
+                                      "held": "nothing"}},
+              "ngram_hits": [0.3, 1.0]}
+    planner = _planner()
+    planner.recall(memory)
+    planner.new_text(greedy=True)
+    assert planner.held is None and not planner.rates[StepKind.DRAFT].measured
 
 
 def test_the_planners_questions_change_nothing() -> None:

@@ -1,0 +1,85 @@
+"""What an engine learned, kept for the next run on the same models (``ModelPair.remember`` and
+``ModelPair.recall``), on real llama.cpp contexts of the tiny models."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from speculative.backend import ContextConfig
+from speculative.drafting import TreeBudget
+from speculative.loading import open_pair
+from speculative.plan import StepKind
+from speculative.policies import Mode, SpecConfig
+
+SPEC = SpecConfig(mode=Mode.AUTO, tree=TreeBudget(12, 6, 3), lookahead=3)
+PROMPTS = ["def parse(text):\n    ", "import os\n\n\ndef main():\n", "class Stack:\n    def "]
+
+
+def _config(threads: int = 1) -> ContextConfig:
+    return ContextConfig(n_threads=threads, n_ctx=256, n_batch=64, n_seq_max=256)
+
+
+def _generate(engine, prompt: list[int], n: int = 24) -> list[int]:
+    return [t for step in engine.generate(prompt, n) for t in step.tokens]
+
+
+def test_the_next_run_on_the_same_models_starts_from_what_the_last_one_learned(
+        tiny_models, tmp_path) -> None:
+    memory = tmp_path / "learned.json"
+    target, draft = tiny_models["q8_0-target"], tiny_models["q8_0-draft"]
+    with open_pair(target, draft, _config()) as pair:
+        pair.measure_costs(SPEC)
+        vocab = pair.target.vocab
+        first = pair.engine(SPEC)
+        assert not pair.recall(first, memory)  # nothing kept yet
+        for text in PROMPTS[:2]:
+            _generate(first, vocab.tokenize(text))
+        assert first.planner is not None and first.planner.held is not None
+        pair.remember(first, memory)
+        kept = json.loads(memory.read_text())
+        assert list(kept) == [pair.memory_key()]
+
+        second = pair.engine(SPEC)
+        assert pair.recall(second, memory)
+        planner = second.planner
+        assert planner is not None and planner.elapsed == 0  # nothing of its own yet
+        assert set(planner.stashed) == {"greedy"}  # taken up by the first greedy reply
+        planner.new_text(greedy=True)
+        assert planner.held is first.planner.held
+        for kind in StepKind:
+            if first.planner.rates[kind].measured:
+                assert planner.rates[kind].measured
+                assert planner.speed(kind) == pytest.approx(first.planner.speed(kind))
+        assert second.res.calibrations.memory() != pair.engine(SPEC).res.calibrations.memory()
+
+        # the recalled engine still writes the target's own text
+        plain = pair.engine(SpecConfig(mode=Mode.PLAIN))
+        prompt = vocab.tokenize(PROMPTS[2])
+        assert _generate(second, prompt) == _generate(plain, prompt)
+
+    # other settings (threads) are another machine's measurement: not recalled
+    with open_pair(target, draft, _config(threads=2)) as other:
+        other.measure_costs(SPEC)
+        assert other.memory_key() != pair.memory_key()
+        assert not other.recall(other.engine(SPEC), memory)
+
+
+def test_a_memory_file_that_cannot_be_read_is_let_be_and_written_anew(tiny_models,
+                                                                        tmp_path) -> None:
+    memory = tmp_path / "learned.json"
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], _config()) as pair:
+        pair.measure_costs(SPEC)
+        engine = pair.engine(SPEC)
+        for broken in ("{not json", json.dumps([1, 2]),
+                       json.dumps({pair.memory_key(): {"memory": {"planner": 3}}}),
+                       json.dumps({pair.memory_key(): {"memory": {
+                           "planner": None, "calibrations": {"by_scorer": {"nobody": [1, 2]}},
+                           "confidence": None}}})):
+            memory.write_text(broken)
+            assert not pair.recall(engine, memory)
+        assert engine.planner is not None and engine.planner.stashed == {}
+        _generate(engine, pair.target.vocab.tokenize(PROMPTS[0]))
+        pair.remember(engine, memory)
+        assert pair.recall(pair.engine(SPEC), memory)
