@@ -301,12 +301,15 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
     vocab = pair.target.vocab
     threads = config.n_threads or default_threads()
     prompts = [p for ps in sets.values() for p in ps][:4]
+    # flash attention as the engine runs the target (where it was left to the machine, as
+    # measured): llama.cpp's own default would be "on" whatever decodes faster here
+    flash = pair.target_ctx.flash_attn
     peers: dict[str, Any] = {}
     if args.peers:
         token_prompts = [vocab.tokenize(p) for p in prompts]
         for name, lookup in PEERS:
             argv = peer.command(target, token_prompts, args.max_tokens, threads,
-                                pair.target_ctx.n_ctx, lookup, config.flash_attn)
+                                pair.target_ctx.n_ctx, lookup, flash)
             try:
                 result = peer.run_peer(argv)
             except peer.PeerFailed as exc:
@@ -318,14 +321,21 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
         try:
             native_tools(progress=lambda msg: print(msg, file=sys.stderr))
             peers["llama.cpp llama-bench"] = {"tokens_per_second": run_native_bench(
-                target, args.max_tokens, threads, config.flash_attn).tokens_per_second}
+                target, args.max_tokens, threads, flash).tokens_per_second}
             if draft is not None:
                 for n_max in (4, 8):
-                    r = run_native_speculative(target, draft, prompts[0], args.max_tokens,
-                                               threads, n_max, ctx=pair.target_ctx.n_ctx,
-                                               flash_attn=config.flash_attn)
+                    # the peers' prompts, one run each, pooled (a single prompt's speed says
+                    # more about how predictable that text is than about the implementation)
+                    runs = [run_native_speculative(target, draft, prompt, args.max_tokens,
+                                                   threads, n_max, ctx=pair.target_ctx.n_ctx,
+                                                   flash_attn=flash) for prompt in prompts]
+                    seconds = sum(r.seconds for r in runs)
+                    drafted = sum(r.n_drafted or 0 for r in runs)
                     peers[f"llama.cpp llama-speculative (draft max {n_max})"] = {
-                        "tokens_per_second": r.tokens_per_second, "accept": r.accept}
+                        "tokens_per_second": sum(r.tokens for r in runs) / seconds
+                        if seconds else 0.0,
+                        "accept": sum(r.n_accept or 0 for r in runs) / drafted
+                        if drafted else None}
         except NativeUnavailable as exc:
             peers["llama.cpp"] = {"unavailable": str(exc)}
     return peers
