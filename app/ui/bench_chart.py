@@ -101,8 +101,9 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         return plot.left() + plot.width() * v / ticks[-1]
 
     p.setPen(QColor("black"))
-    p.drawText(QRectF(box.left(), box.top(), box.width(), 18), Qt.AlignmentFlag.AlignLeft,
-               title)
+    title_at = QRectF(box.left(), box.top(), box.width(), 18)
+    title_box = p.boundingRect(title_at, Qt.AlignmentFlag.AlignLeft, title)
+    p.drawText(title_at, Qt.AlignmentFlag.AlignLeft, title)
     grid = QPen(QColor("#dddddd"))
     for v in ticks:  # the grid and the axis labels
         p.setPen(grid)
@@ -140,8 +141,15 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         p.setPen(pen)
         x = x_of(oracle["speedup"])
         p.drawLine(QPointF(x, plot.top() - 2), QPointF(x, plot.bottom()))
-        p.drawText(QRectF(x - 150, plot.top() - 18, 146, 16), Qt.AlignmentFlag.AlignRight,
-                   f"ceiling {speedup_label(oracle['speedup'])}")
+        text = f"ceiling {speedup_label(oracle['speedup'])}"
+        left = QRectF(x - 150, plot.top() - 18, 146, 16)  # left of the line, unless the
+        if p.boundingRect(left, Qt.AlignmentFlag.AlignRight, text).intersects(title_box):
+            # panel's title is there: then right of the line and of the title
+            start = max(x + 4, title_box.right() + 8)
+            p.drawText(QRectF(start, plot.top() - 18, 146, 16), Qt.AlignmentFlag.AlignLeft,
+                       text)
+        else:
+            p.drawText(left, Qt.AlignmentFlag.AlignRight, text)
     p.setPen(QColor("black"))
     p.drawText(QRectF(plot.left(), plot.bottom() + 18, plot.width(), 16),
                Qt.AlignmentFlag.AlignHCenter, "speedup (\u00d7 plain decoding)")
