@@ -515,10 +515,10 @@ class AutoPolicy:
               chain: tuple[Path, Path] | None = None) -> StepPlan:
         """Greedy: the draft's tree and the n-gram's tree as one tree, verified in one pass.
 
-        Each node's score becomes its estimated acceptance: the draft's path probability times
-        the draft's calibration (accepted over predicted, on its own nodes); a path only the
-        n-gram proposed (a branch beside the draft's choices) its n-gram path probability
-        times the calibration of such branches, measured on them alone: where the draft is
+        Each node's score is its estimated acceptance, from the draft's acceptance map, times
+        the draft's factor (accepted over predicted, on its own nodes); a path only the
+        n-gram proposed (a branch beside the draft's choices) its estimate from the n-gram's
+        map times the factor of such branches, measured on them alone: where the draft is
         unsure the free n-gram often names the target's token, but a branch the draft
         disagrees with is accepted less often than the n-gram's own trees are. The merged
         tree is cut, like any other, to the size that maximises expected tokens per second.

@@ -3,9 +3,10 @@
 Verifying n tokens in one target pass costs ``cost(n)``, which depends on the hardware (on a
 2-core CPU a second token can cost as much as the first; on a GPU 16 cost little more than 1).
 A tree of N drafted nodes is expected to yield ``1 + sum(min(1, c * score))`` over its top-N
-nodes, where a node's score is the draft's probability of its path and ``c`` calibrates the
-draft's confidence against what the target actually accepted so far (no node yields more than
-one token, whatever ``c``). The best N maximises tokens per second:
+nodes, where a node's score is its estimated chance of acceptance (the product along its path
+of how often the target accepted nodes of its probability, its parent accepted: ``Acceptance``)
+and ``c`` corrects what that still misses against what the target actually accepted so far (no
+node yields more than one token, whatever ``c``). The best N maximises tokens per second:
 
     N* = argmax_N (1 + S_N) / (t_draft + cost(N + 1)),  S_N = sum of the N best min(1, c * score)
 
@@ -420,10 +421,9 @@ def read_cache(path: Path) -> dict:
 
 
 def accepted_estimate(score: float, calibration: float) -> float:
-    """A node's estimated chance of acceptance: its calibrated score, at most 1. The
-    calibration is a ratio over all of a scorer's nodes, and the target accepts a confident
-    scorer's weak nodes more often than their scores say (which lifts the ratio above 1),
-    so the ratio alone would promise its strongest nodes more than one token each."""
+    """A node's estimated chance of acceptance: its score times its scorer's factor, at most
+    1 (the factor is a ratio over all of a scorer's nodes, and alone it could promise the
+    strongest nodes more than one token each)."""
     return min(calibration * score, 1.0)
 
 
@@ -505,6 +505,117 @@ def shrink(seen: float, weight: float) -> float:
     """The factor that makes ``seen`` count as ``weight`` at most (a recalled measurement
     weighs a few new ones, so that a run's own soon outweigh it)."""
     return min(1.0, weight / seen) if seen > 0 else 1.0
+
+
+# bins of a proposer's probability of a node given its parent, finer where most nodes fall
+ACCEPTANCE_EDGES = (0.0, 0.02, 0.05, 0.1, 0.2, 0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 1.0)
+_CENTERS = np.convolve(ACCEPTANCE_EDGES, [0.5, 0.5], mode="valid")
+_XS = [0.0, *_CENTERS.tolist(), 1.0]  # where ``Acceptance`` is read off: 0, the centres, 1
+UNSEEN = 0.1  # the weight of a bin with no trials when bins are pooled into order
+
+
+@dataclasses.dataclass(slots=True)
+class Acceptance:
+    """How often the target accepts a proposed node whose parent it accepted, as a function
+    of the proposer's probability ``p`` of the node given its parent and of whether the node
+    is its parent's first (most likely) child: a node's estimated acceptance is the product of
+    this along its path (``drafting``'s node scores).
+
+    A draft model's probabilities are not acceptance rates. A small model spreads its
+    probability where the target is sure (first children it gives 0.5 are accepted nearly
+    always), and the product of its probabilities along a path falls far faster with depth
+    than the target's agreement does, so a path's probability, or any one multiple of it,
+    calls deep nodes hopeless that the target mostly accepts. A first child of probability
+    0.3 and a second child of 0.3 are not alike either: the first leads a flat distribution,
+    the second trails a likelier sibling. For first and for other children, each bin of ``p``
+    counts, decayed per step, the children of accepted nodes and how many of them the target
+    accepted; a bin's rate starts from ``p`` itself (``prior`` trials at the bin's centre).
+    A likelier node is accepted at least as often, so the rates are then made non-decreasing
+    in ``p``, adjacent bins that disagree pooled by their trials (a bin with none takes its
+    neighbours' rate rather than moving theirs toward its prior), and read between the bins'
+    centres linearly."""
+
+    # [first children, other children] x bins of p
+    hits: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((2, len(ACCEPTANCE_EDGES) - 1)))
+    trials: np.ndarray = dataclasses.field(
+        default_factory=lambda: np.zeros((2, len(ACCEPTANCE_EDGES) - 1)))
+    decay: float = 0.98  # per step: the text's difficulty drifts
+    prior: float = 4.0   # trials each bin's starting rate, p itself, counts for
+    _ys: list[list[float]] = dataclasses.field(init=False, repr=False)
+
+    def __post_init__(self) -> None:
+        self._refresh()
+
+    def __call__(self, p: float, first: bool = True) -> float:
+        """The estimated chance that a node of probability ``p`` (its parent's first child,
+        or not) is accepted, its parent having been: 0 at p = 0, the top bin's rate at 1."""
+        xs, ys = _XS, self._ys[0 if first else 1]
+        i = bisect.bisect_right(xs, p)
+        if i >= len(xs):
+            return ys[-1]
+        if i == 0:
+            return ys[0]
+        x0, x1 = xs[i - 1], xs[i]
+        return ys[i - 1] + (p - x0) * (ys[i] - ys[i - 1]) / (x1 - x0)
+
+    def add(self, probs: Sequence[float], first: Sequence[bool],
+            accepted: Sequence[bool]) -> None:
+        """One step's children of accepted nodes: their probabilities, whether each is its
+        parent's first child, and whether the target accepted it (a step with none still
+        decays what was seen)."""
+        self.hits *= self.decay
+        self.trials *= self.decay
+        if len(probs):
+            bins = np.clip(np.searchsorted(ACCEPTANCE_EDGES, probs, side="right") - 1,
+                           0, self.trials.shape[1] - 1)
+            rows = np.where(np.asarray(first, dtype=bool), 0, 1)
+            np.add.at(self.trials, (rows, bins), 1.0)
+            np.add.at(self.hits, (rows, bins), np.asarray(accepted, dtype=float))
+        self._refresh()
+
+    def rates(self, first: bool = True) -> list[float]:
+        """Each bin's estimated acceptance (non-decreasing)."""
+        return self._ys[0 if first else 1][1:-1]
+
+    def _refresh(self) -> None:
+        self._ys = []
+        for hits, trials in zip(self.hits, self.trials, strict=True):
+            rates = (hits + self.prior * _CENTERS) / (trials + self.prior)
+            # the order is imposed by what was seen: a bin's prior weighs next to nothing
+            fitted = _nondecreasing(rates.tolist(), (trials + UNSEEN).tolist())
+            self._ys.append([0.0, *fitted, fitted[-1]])
+
+    def memory(self) -> list[list[float]]:
+        """The decayed counts, JSON-able: hits then trials, each first children's bins then
+        the others'."""
+        return [self.hits.ravel().tolist(), self.trials.ravel().tolist()]
+
+    def recalled(self, memory: Sequence[Any], weight: float) -> Acceptance:
+        """This map's settings with ``memory``'s counts, worth ``weight`` trials per bin at
+        most; ValueError for a memory it cannot read."""
+        try:
+            hits, trials = (np.array(recalled_sums(m, self.trials.size)).reshape(
+                self.trials.shape) for m in memory)
+        except (TypeError, ValueError) as exc:
+            raise ValueError(f"not an acceptance map: {memory!r}") from exc
+        if np.any(hits > trials + 1e-9):
+            raise ValueError(f"more hits than trials: {memory!r}")
+        k = np.vectorize(lambda t: shrink(t, weight))(trials) if trials.size else trials
+        return Acceptance(hits * k, trials * k, self.decay, self.prior)
+
+
+def _nondecreasing(values: list[float], weights: list[float]) -> list[float]:
+    """The weighted least-squares non-decreasing fit of ``values`` (pool adjacent
+    violators)."""
+    blocks: list[list[float]] = []  # [mean, weight, bins]
+    for v, w in zip(values, weights, strict=True):
+        blocks.append([v, w, 1])
+        while len(blocks) > 1 and blocks[-2][0] > blocks[-1][0]:
+            v2, w2, n2 = blocks.pop()
+            v1, w1, n1 = blocks.pop()
+            blocks.append([(v1 * w1 + v2 * w2) / (w1 + w2), w1 + w2, n1 + n2])
+    return [mean for mean, _, n in blocks for _ in range(int(n))]
 
 
 @dataclasses.dataclass(slots=True)

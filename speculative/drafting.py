@@ -88,6 +88,10 @@ class DraftExhausted(Exception):
 
 class Drafter(Protocol):
     counters: DraftCounters
+    # the estimated chance the target accepts a node, its parent accepted, from the drafter's
+    # probability of it and whether it is the parent's first child (``costmodel.Acceptance``);
+    # a drafter without one (None, or no such attribute) scores nodes by its probabilities
+    acceptance: Callable[[float, bool], float] | None
 
     def begin(self, committed: Sequence[int]) -> Next:
         """Start a step whose root is ``committed[-1]``; returns the root's logits (or, greedy
@@ -112,8 +116,10 @@ class ModelDrafter:
 
     def __init__(self, kv: KVTree, lookahead: KatzTrigram | None = None,
                  lookahead_len: int = 4,
-                 guess_budget: Callable[[int, int], int] | None = None) -> None:
+                 guess_budget: Callable[[int, int], int] | None = None,
+                 acceptance: Callable[[float, bool], float] | None = None) -> None:
         self.kv = kv
+        self.acceptance = acceptance
         self.lookahead = lookahead
         self.lookahead_len = lookahead_len if lookahead is not None else 0
         # (tokens in the batch, most guess tokens) -> guess tokens worth their cost; None: all
@@ -258,9 +264,11 @@ class NgramDrafter:
     children (``KatzTrigram.top``, from a per-history cache), not the log of its full
     distribution (a pass over the whole vocabulary)."""
 
-    def __init__(self, model: KatzTrigram, top: int | None = None) -> None:
+    def __init__(self, model: KatzTrigram, top: int | None = None,
+                 acceptance: Callable[[float, bool], float] | None = None) -> None:
         self.model = model
         self.top = top
+        self.acceptance = acceptance
         self.counters = DraftCounters()
         self._committed: list[int] = []
 
@@ -320,14 +328,16 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     """Grow the draft tree best-first, one draft batch per level.
 
     Every expanded node offers ``max_children`` slots. Slot i of node u scores
-    ``score(u) * q_u[i-th largest]``: the draft's probability of the path (greedy) or of the
-    i-th most likely token (sampling). The tree is the ``max_nodes`` best slots overall; as
-    scores only fall with depth, a node outside the current best set can never enter it, so
-    each level expands just the nodes inside it. Greedy fills slot i with the i-th most
-    likely token; sampling fills the slots with draws *without replacement* from q_u. The
-    sampled shape depends on q_u but never on the drawn tokens themselves, which is what keeps
-    tree speculative sampling exact (see ``speculative.verify``). With ``penalties``, each
-    node's draft logits are penalised along its path as the target's will be.
+    ``score(u) * a(q_u[i-th largest], i == 1)``, ``a`` the drafter's ``acceptance`` (the
+    probability itself without one): the estimated chance that the target accepts the path,
+    from the draft's probability of each node on it (greedy) or of the i-th most likely token
+    (sampling). The tree is the ``max_nodes`` best slots overall; as scores only fall with
+    depth, a node outside the current best set can never enter it, so each level expands just
+    the nodes inside it. Greedy fills slot i with the i-th most likely token; sampling fills the
+    slots with draws *without replacement* from q_u. The sampled shape depends on q_u but never
+    on the drawn tokens themselves, which is what keeps tree speculative sampling exact (see
+    ``speculative.verify``). With ``penalties``, each node's draft logits are penalised along
+    its path as the target's will be.
     """
     root = drafter.begin(committed)
     tree = TokenTree.rooted(committed[-1])
@@ -442,10 +452,17 @@ def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: Samplin
         slot_q = q[u][top_k(q[u], k)]
         tokens = np.array(sample_without_replacement(q[u], k, rng), dtype=np.int64)
     base = tree.path(u)
-    for tok, sq in zip(tokens.tolist(), slot_q.tolist(), strict=False):
+    probs = slot_q.tolist()
+    accept = getattr(drafter, "acceptance", None)
+    # each slot's estimated acceptance given u's; at most one of the siblings is accepted
+    chances = probs if accept is None else [accept(p, i == 0) for i, p in enumerate(probs)]
+    total = sum(chances)
+    if total > 1.0:
+        chances = [c / total for c in chances]
+    for tok, sq, chance in zip(tokens.tolist(), probs, chances, strict=False):
         if sq <= 0.0:
             break
-        tree.add(u, tok, tree.scores[u] * sq, drafter.origin((*base, tok)))
+        tree.add(u, tok, tree.scores[u] * chance, drafter.origin((*base, tok)), sq)
 
 
 def _penalised(logits: Next, penalties: StepPenalties, path: Path) -> Next:

@@ -14,7 +14,7 @@ import enum
 from collections.abc import Mapping
 from typing import Any
 
-from .costmodel import Calibration, Running
+from .costmodel import Acceptance, Calibration, Running
 from .drafting import DraftCounters, Drafter, DraftTree
 from .tree import TokenTree
 
@@ -55,9 +55,9 @@ class StepPlan:
     tree: DraftTree            # what the target verifies (a lone root: the target alone)
     drafter: Drafter | None    # told the accepted path (its KV cache follows the text)
     kind: StepKind
-    # the calibrations this step updates, and each calibrated node's (scorer, raw score) by
-    # path below the root; a calibration with no node here still learns that nothing was
-    # predicted (it decays)
+    # the calibrations this step updates, and each calibrated node's (scorer, score as its
+    # drafter gave it, before the scorer's factor) by path below the root; a calibration with
+    # no node here still learns that nothing was predicted (it decays)
     calibrates: frozenset[Scorer] = frozenset()
     scored: Mapping[Path, tuple[Scorer, float]] = dataclasses.field(default_factory=dict)
     # auto's n-gram chain hung below a drafted path: (that path, the chain's tokens)
@@ -87,11 +87,16 @@ class StepPlan:
 
 @dataclasses.dataclass(slots=True)
 class Calibrations:
-    """Accepted tokens over predicted ones, by scorer, and stage 2's used over proposed guesses:
-    what the cost model multiplies scores by to estimate acceptance."""
+    """What the cost model estimates acceptance by, learned from each verdict: by scorer, how
+    often the target accepts a node given its parent, by the proposer's probability of it
+    (``acceptance``: what a drafter scores its nodes with), and accepted tokens over the
+    scores that predicted them (``by_scorer``: what is left to correct, a factor near 1 once
+    the acceptance maps have learned); stage 2's used over proposed guesses."""
 
     by_scorer: dict[Scorer, Calibration] = dataclasses.field(
         default_factory=lambda: {s: Calibration() for s in Scorer})
+    acceptance: dict[Scorer, Acceptance] = dataclasses.field(
+        default_factory=lambda: {s: Acceptance() for s in Scorer})
     stage2: Calibration = dataclasses.field(default_factory=Calibration)
     # per draft call of a staged drafter: guesses the tree then used (levels the call gave
     # beyond its own), and guess tokens it decoded
@@ -104,6 +109,7 @@ class Calibrations:
     def memory(self) -> dict[str, Any]:
         """JSON-able sums, for a later run on the same models (``recalled``)."""
         return {"by_scorer": {s.value: c.memory() for s, c in self.by_scorer.items()},
+                "acceptance": {s.value: a.memory() for s, a in self.acceptance.items()},
                 "stage2": self.stage2.memory(),
                 "stage2_used_per_call": self.stage2_used_per_call.memory(),
                 "stage2_width": self.stage2_width.memory()}
@@ -116,25 +122,41 @@ class Calibrations:
             by_scorer = {**self.by_scorer, **{
                 Scorer(s): self.by_scorer[Scorer(s)].recalled(m, weight)
                 for s, m in memory["by_scorer"].items()}}
+            # (a memory from before the acceptance maps has none: they start afresh)
+            acceptance = {**self.acceptance, **{
+                Scorer(s): self.acceptance[Scorer(s)].recalled(m, weight)
+                for s, m in memory.get("acceptance", {}).items()}}
             return Calibrations(
-                by_scorer, self.stage2.recalled(memory["stage2"], weight),
+                by_scorer, acceptance, self.stage2.recalled(memory["stage2"], weight),
                 self.stage2_used_per_call.recalled(memory["stage2_used_per_call"], weight),
                 self.stage2_width.recalled(memory["stage2_width"], weight))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not calibrations: {exc!r}") from exc
 
     def observe(self, plan: StepPlan, accepted_nodes: list[int]) -> None:
-        """Each calibration the plan names learns its nodes' hits and summed raw scores."""
+        """Each calibration the plan names learns its nodes' hits and summed scores, and its
+        acceptance map the nodes whose parent the target accepted (the root's children
+        included): their probabilities and which of them it accepted."""
         tree = plan.tree.tree
         kept = set(accepted_nodes)
         totals = {s: [0, 0.0] for s in plan.calibrates}
+        tried: dict[Scorer, tuple[list[float], list[bool], list[bool]]] = {
+            s: ([], [], []) for s in plan.calibrates}
         for v in range(1, len(tree)):
             entry = plan.scored.get(tree.path(v))
             if entry is not None and entry[0] in totals:
                 totals[entry[0]][0] += v in kept
                 totals[entry[0]][1] += entry[1]
+                parent = tree.parents[v]
+                if parent == 0 or parent in kept:
+                    probs, first, hits = tried[entry[0]]
+                    probs.append(tree.probs[v])
+                    first.append(tree.ranks[v] == 0)
+                    hits.append(v in kept)
         for scorer, (hits, predicted) in totals.items():
             self.by_scorer[scorer].add(hits, predicted)
+        for scorer, (probs, first, accepted) in tried.items():
+            self.acceptance[scorer].add(probs, first, accepted)
         counters = plan.counters
         if counters.stage2_proposed:
             self.stage2.add(counters.stage2_used, counters.stage2_proposed)

@@ -181,19 +181,21 @@ class Resources:
         assert self.draft is not None
         lookahead = self.ngram if staged else None
         sizer = self.sizer
+        acceptance = self.calibrations.acceptance[Scorer.DRAFT]
         if not (config.adaptive and sizer is not None and sizer.draft is not None
                 and lookahead is not None):
-            return ModelDrafter(self.draft, lookahead, config.lookahead)
+            return ModelDrafter(self.draft, lookahead, config.lookahead, acceptance=acceptance)
         cost, hit_rate = sizer.draft, self.calibrations.stage2.factor  # at this step's context
 
         def worth(batch: int, most: int) -> int:  # guess tokens worth their draft cost
             return guess_length(cost, batch, most, hit_rate)
 
-        return ModelDrafter(self.draft, lookahead, config.lookahead, worth)
+        return ModelDrafter(self.draft, lookahead, config.lookahead, worth, acceptance)
 
     def ngram_drafter(self, params: SamplingParams, budget: TreeBudget) -> NgramDrafter:
         # greedy trees need each node's best children only (cheap from the n-gram)
-        return NgramDrafter(self.ngram, sparse_top(params, budget.max_children))
+        return NgramDrafter(self.ngram, sparse_top(params, budget.max_children),
+                            self.calibrations.acceptance[Scorer.NGRAM])
 
     def expander(self, budget: TreeBudget, staged: bool = False) -> Expand:
         """``grow_tree``'s ``expand`` for a draft model: how many frontier nodes the next draft

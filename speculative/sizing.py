@@ -3,15 +3,16 @@
 A step's goal is the most tokens per second. Its cost is what drafting takes plus one target
 pass over the root and the drafted nodes, ``cost_t(n + 1)``, plus the loop's own overhead; its
 yield is the expected number of tokens, 1 + the summed acceptance probabilities of the verified
-nodes (a node's probability is estimated as ``min(1, c * score)``: its path probability under
-whoever scored it, calibrated by ``c``, the ratio of accepted tokens to predicted ones so far:
+nodes (a node's probability is estimated as ``min(1, c * score)``: its score, the estimated
+chance that the target accepts its path, from how often it accepted nodes of the proposer's
+probability so far, corrected by ``c``, the ratio of accepted tokens to predicted ones:
 ``plan.Calibrations``).
 
 To maximise a ratio yield / time, a step takes an extra piece of work only if the piece's own
 ratio beats the ratio reached so far. A draft batch expanding the ``m`` best frontier nodes
 costs ``cost_d(m)`` now (a draft forward pass) and more target work later; its expected gain is
-each expanded node's score times the draft's typical confidence in its best child, ``p``, once
-per level below (``s * p ** level``, calibrated like any node's score), over the next levels.
+each expanded node's score times the typical estimated acceptance of a best child, ``p``, once
+per level below (``s * p ** level``, corrected like any node's score), over the next levels.
 Because the target's cost curve is concave (the 2nd token of a batch costs more than the
 8th), one level alone can look unprofitable while a run of confident levels
 pays, so the test looks ahead a few levels (``LOOKAHEAD``) and takes the batch if any horizon
@@ -38,7 +39,8 @@ class Sizer:
     measured_draft: VerifyCost | None
     # seconds per step outside the target and the draft (Python bookkeeping), running
     steps_overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
-    # the draft's probability of its best child at an expanded node (its confidence)
+    # the estimated acceptance of an expanded node's best child, given the node's (its score
+    # over its parent's)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
     # the step's: the target's curve at its context (``curve``), that curve priced after the
     # last batch's shape (``target``), and the draft's at its context

@@ -1,9 +1,11 @@
 """A token tree: the root is the last committed token, every other node a drafted continuation.
 
 Nodes are numbered so that parents come before children (the order a ``llama_batch`` needs).
-Each non-root node has a ``score``: the draft's cumulative probability of the slot it fills, used
-to choose the tree best-first, and a ``rank``: its position among its siblings, which is the order
-in which verification tries them.
+Each non-root node has a ``score``: the estimated chance that the target accepts its whole path
+(the product, along the path, of each node's estimated acceptance given its parent's: see
+``costmodel.Acceptance``), used to choose the tree best-first; a ``prob``: the proposer's own
+probability of the node given its parent, which that estimate was made from; and a ``rank``:
+its position among its siblings, which is the order in which verification tries them.
 """
 
 from __future__ import annotations
@@ -18,23 +20,31 @@ class TokenTree:
     parents: list[int]          # parents[0] == -1 (root)
     depths: list[int]
     scores: list[float]         # root: 1.0
+    probs: list[float]          # the proposer's probability given the parent; root: 1.0
     ranks: list[int]            # index among siblings, 0 = tried first
     origins: list[str]          # who proposed the node: "root", "draft" or "ngram"
     children: list[list[int]]   # node ids in rank order
 
     @classmethod
     def rooted(cls, token: int) -> TokenTree:
-        return cls([token], [-1], [0], [1.0], [0], ["root"], [[]])
+        return cls([token], [-1], [0], [1.0], [1.0], [0], ["root"], [[]])
 
     def __len__(self) -> int:
         return len(self.tokens)
 
-    def add(self, parent: int, token: int, score: float, origin: str) -> int:
+    def add(self, parent: int, token: int, score: float, origin: str,
+            prob: float | None = None) -> int:
+        """A node below ``parent``; ``prob``: its proposer's probability of it given the
+        parent (None: the ratio of its score to the parent's)."""
         node = len(self.tokens)
         self.tokens.append(token)
         self.parents.append(parent)
         self.depths.append(self.depths[parent] + 1)
         self.scores.append(score)
+        if prob is None:
+            above = self.scores[parent]
+            prob = score / above if above > 0 else 0.0
+        self.probs.append(prob)
         self.ranks.append(len(self.children[parent]))
         self.origins.append(origin)
         self.children.append([])
@@ -79,7 +89,7 @@ class TokenTree:
                 for c in self.children[old]:
                     if c in keep:
                         nxt.append((c, out.add(new, self.tokens[c], self.scores[c],
-                                               self.origins[c])))
+                                               self.origins[c], self.probs[c])))
             queue = nxt
         return out
 
