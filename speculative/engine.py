@@ -11,7 +11,9 @@ output stays exact because each step is exact on its own.
 
 from __future__ import annotations
 
+import collections
 import dataclasses
+import logging
 import time
 from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from typing import Any
@@ -41,6 +43,11 @@ from .sampling import SamplingParams
 from .sizing import Sizer
 from .stats import ORIGINS, RunStats, StepStats
 from .verify import Verdict, verify_greedy, verify_sampling
+
+log = logging.getLogger(__name__)
+
+CHECK_PASSES = 32  # single-token passes a curve is checked against (``Engine.curve_too_dear``)
+TOO_DEAR = 0.85    # ... and the share of its single-token cost below which it is measured again
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -91,6 +98,8 @@ class Engine:
         self._policies: dict[Mode, Policy] = {}
         # seconds a step with the target alone spends outside its pass (decayed mean)
         self._overhead = Running(prior=0.0)
+        # single-token passes timed in steady decoding over what the curve says they cost
+        self._one_seen: collections.deque[float] = collections.deque(maxlen=CHECK_PASSES)
         self._redecode = 0  # accepted tokens the last commit left for the next pass to decode
         self._breakers = breakers
         self._penalizer: Penalizer | None = None  # the last params' (they rarely change)
@@ -219,6 +228,27 @@ class Engine:
             res.planner = Planner(res.sizer)
         return res.verify_cost
 
+    def curve_too_dear(self) -> bool:
+        """Whether the target's curve prices a single token well above what the run's own
+        single-token passes took: the median of the last ``CHECK_PASSES`` of them (each after
+        another, at its context) below ``TOO_DEAR`` of the curve's cost. A busy machine makes
+        passes dearer, never cheaper, so such a curve was timed in a slow moment; every ratio
+        to its single token is then too small (trees sized for a flatter curve than the
+        machine's, the meter reading high), and once cached it would stay so."""
+        seen = self._one_seen
+        return len(seen) >= CHECK_PASSES and float(np.median(seen)) < TOO_DEAR
+
+    def check_curve(self) -> bool:
+        """Measure the target's curve again if it is ``curve_too_dear`` (between replies:
+        it takes a few passes of every size); whether it was."""
+        if not self.curve_too_dear():
+            return False
+        log.warning("single tokens took %.0f%% of the measured curve's cost: measuring it "
+                    "again", 100 * float(np.median(self._one_seen)))
+        self.res.remeasure_target()
+        self._one_seen.clear()
+        return True
+
     def _n_ctx(self, config: SpecConfig | None = None) -> int:
         """The usable window: the smaller context, if a draft runs beside the target."""
         if self._uses_draft(config or self.config):
@@ -300,6 +330,8 @@ class Engine:
         such steps'); 0 without a cost curve."""
         if batch == 1:
             self._overhead.add(t_rest)
+            if shape_before == 1 and self.res.sizer is not None:
+                self._one_seen.append(t_verify / self.res.sizer.curve.curve(1))
             return t_verify + t_rest
         if self.res.sizer is None:
             return 0.0

@@ -82,6 +82,15 @@ class ModelPair:
             self.costs = (probe.verify_cost, probe.draft_cost)
         return self.costs
 
+    def check_curve(self, engine: Engine) -> bool:
+        """``Engine.check_curve`` on an engine of this pair, between replies: a target curve
+        measured again also becomes the one later engines start from; whether it was."""
+        if not engine.check_curve():
+            return False
+        if self.costs is not None and engine.verify_cost is not None:
+            self.costs = (engine.verify_cost, self.costs[1])
+        return True
+
     def memory_key(self) -> str:
         """What an engine's memory depends on: both models' files, this machine, the contexts'
         settings (``LlamaContext.cost_key``) and the n-gram model's file."""

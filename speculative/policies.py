@@ -164,6 +164,19 @@ class Resources:
             log.info("draft cost (ms): %s, a new batch shape +%.2f", _ms(self.draft_cost),
                      self.draft_cost.switch * 1000)
 
+    def remeasure_target(self) -> VerifyCost:
+        """Measure the target's curve again (the same sizes), replacing the cached one, and
+        size later steps by it; what was learned (calibrations, ``auto``'s rates) stays."""
+        assert self.verify_cost is not None
+        self.verify_cost = cached_verify_cost(self.target.ctx, self.verify_cost.sizes[-1],
+                                              refresh=True)
+        self.target.reset()
+        if self.sizer is not None:
+            self.sizer.measured_target = self.verify_cost
+            self.sizer.locate(0, None)
+        log.info("verify cost measured again (ms): %s", _ms(self.verify_cost))
+        return self.verify_cost
+
     def feed_ngram(self, committed: Sequence[int]) -> None:
         """Teach the n-gram model the conversation (only what it has not seen yet). Called
         where a step is about to use the model, not after every step: plain decoding and

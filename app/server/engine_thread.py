@@ -44,4 +44,6 @@ class EngineThread:
             if self._closing.is_set():
                 job.cancel()
             run_job(job, self._pair, self._engine)
+            if self._jobs.empty():  # between jobs: a curve its passes showed too dear
+                self._pair.check_curve(self._engine)
             self._pair.remember(self._engine)  # what it learned, for the next run

@@ -174,8 +174,15 @@ class EngineWorker(QObject):
         self.failed.emit(ReplyFailed(request.request_id, loading.reason(exc), partial))
 
     def _remember(self) -> None:
-        """Keep what the engine learned for the next start (``ModelPair.remember``)."""
+        """Keep what the engine learned for the next start (``ModelPair.remember``); measure
+        the target's curve again if the reply's own passes showed it too dear
+        (``ModelPair.check_curve``)."""
         if self._pair is not None and self._engine is not None:
+            try:
+                if self._pair.check_curve(self._engine):
+                    self.status.emit("Measured the target's speed again")
+            except Exception:
+                log.exception("measuring the target's speed again failed")
             self._pair.remember(self._engine)
 
     def _ready(self, settings: AppSettings) -> Engine:

@@ -8,7 +8,9 @@ import json
 import pytest
 
 from speculative.backend import ContextConfig
+from speculative.costmodel import VerifyCost
 from speculative.drafting import TreeBudget
+from speculative.engine import CHECK_PASSES
 from speculative.loading import open_pair
 from speculative.plan import StepKind
 from speculative.policies import Mode, SpecConfig
@@ -83,3 +85,44 @@ def test_a_memory_file_that_cannot_be_read_is_let_be_and_written_anew(tiny_model
         _generate(engine, pair.target.vocab.tokenize(PROMPTS[0]))
         pair.remember(engine, memory)
         assert pair.recall(pair.engine(SPEC), memory)
+
+
+def _scaled(cost: VerifyCost, factor: float) -> VerifyCost:
+    return VerifyCost(cost.sizes, tuple(factor * t for t in cost.seconds), cost.switch,
+                      context=cost.context, per_context=cost.per_context)
+
+
+def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured_again(
+        tiny_models, tmp_path, monkeypatch) -> None:
+    """A curve timed in a slow moment (here: the measured one, made three times dearer) and
+    cached would size every later run; the replies' own single-token passes show it, and
+    between replies it is measured again, for this engine and the pair's later ones, keeping
+    what the engine learned. A curve as measured is left as it is."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = SpecConfig(mode=Mode.AUTO, tree=TreeBudget(8, 4, 2))
+    with open_pair(tiny_models["q8_0-target"], None, _config()) as pair:
+        measured, _ = pair.measure_costs(spec)
+        vocab = pair.target.vocab
+
+        def replies(engine) -> None:  # until the check has its passes (the target alone)
+            for text in PROMPTS * 4:
+                if len(engine._one_seen) >= CHECK_PASSES:
+                    return
+                _generate(engine, vocab.tokenize(text), 16)
+
+        pair.costs = (_scaled(measured, 3.0), None)
+        engine = pair.engine(spec)
+        replies(engine)
+        assert engine.curve_too_dear()
+        calibrations = engine.res.calibrations
+        assert pair.check_curve(engine)
+        again = pair.costs[0]
+        assert again.seconds[0] < 2.0 * measured.seconds[0]
+        assert engine.verify_cost is again and engine.res.sizer.measured_target is again
+        assert engine.res.calibrations is calibrations  # what it learned stays
+        assert not engine.curve_too_dear()  # its passes are counted afresh
+
+        fresh = pair.engine(spec)
+        assert fresh.verify_cost is again
+        replies(fresh)
+        assert not fresh.curve_too_dear() and not pair.check_curve(fresh)
