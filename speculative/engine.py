@@ -299,6 +299,14 @@ class Engine:
             raise
         t2 = time.perf_counter()
         batch, shape_before = self.target.last_batch, last_shape
+        if (batch == 1 and shape_before == 1 and res.verify_cost is not None
+                and len(committed) >= res.verify_cost.context):
+            # a single-token pass after another, with at least the context the curve was
+            # timed after (a shorter one is priced as that one, and costs less): what the
+            # curve's single token is checked by
+            curve = (res.sizer.curve if res.sizer is not None
+                     else res.verify_cost.at(len(committed)))
+            self._one_seen.append((t2 - t1) / curve.curve(1))
         redecoded = self._redecode
         accepted = self._commit(plan, verdict, slots, in_place)
         t3 = time.perf_counter()
@@ -330,8 +338,6 @@ class Engine:
         such steps'); 0 without a cost curve."""
         if batch == 1:
             self._overhead.add(t_rest)
-            if shape_before == 1 and self.res.sizer is not None:
-                self._one_seen.append(t_verify / self.res.sizer.curve.curve(1))
             return t_verify + t_rest
         if self.res.sizer is None:
             return 0.0

@@ -49,6 +49,7 @@ class ModelPair:
     costs: tuple[VerifyCost, VerifyCost | None] | None = None
     # where flash attention was left to the machine: what was measured, by "target" / "draft"
     flash: dict[str, FlashChoice] = dataclasses.field(default_factory=dict)
+    remeasured: bool = False  # the target's curve was measured again (``check_curve``)
 
     def new_ngram(self) -> KatzTrigram | None:
         """A fresh copy of the n-gram model (an engine teaches its own the conversation)."""
@@ -84,9 +85,12 @@ class ModelPair:
 
     def check_curve(self, engine: Engine) -> bool:
         """``Engine.check_curve`` on an engine of this pair, between replies: a target curve
-        measured again also becomes the one later engines start from; whether it was."""
-        if not engine.check_curve():
+        measured again also becomes the one later engines start from; whether it was. Once
+        per pair: a curve that, measured again, still disagreed with decoding would otherwise
+        be measured between every two replies."""
+        if self.remeasured or not engine.check_curve():
             return False
+        self.remeasured = True
         if self.costs is not None and engine.verify_cost is not None:
             self.costs = (engine.verify_cost, self.costs[1])
         return True

@@ -108,7 +108,7 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
             for text in PROMPTS * 4:
                 if len(engine._one_seen) >= CHECK_PASSES:
                     return
-                _generate(engine, vocab.tokenize(text), 16)
+                _generate(engine, vocab.tokenize(text * 12), 24)  # past the curve's context
 
         pair.costs = (_scaled(measured, 3.0), None)
         engine = pair.engine(spec)
@@ -125,4 +125,8 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         fresh = pair.engine(spec)
         assert fresh.verify_cost is again
         replies(fresh)
-        assert not fresh.curve_too_dear() and not pair.check_curve(fresh)
+        assert not fresh.curve_too_dear()
+        pair.costs = (_scaled(again, 3.0), None)  # once per pair: never again
+        dear = pair.engine(spec)
+        replies(dear)
+        assert dear.curve_too_dear() and not pair.check_curve(dear)
