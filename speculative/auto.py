@@ -535,7 +535,7 @@ class AutoPolicy:
             path = tree.path(v)
             node_of[path] = merged.add(node_of[path[:-1]], tree.tokens[v],
                                        calibrations.factor(Scorer.DRAFT) * tree.scores[v],
-                                       tree.origins[v])
+                                       tree.origins[v], tree.probs[v])
             if v not in guessed:
                 scored[path] = (Scorer.DRAFT, tree.scores[v])
         other = ngram_tree.tree
@@ -544,7 +544,7 @@ class AutoPolicy:
             if path not in node_of:
                 node_of[path] = merged.add(node_of[path[:-1]], other.tokens[v],
                                            calibrations.factor(Scorer.BRANCHES)
-                                           * other.scores[v], "ngram")
+                                           * other.scores[v], "ngram", other.probs[v])
                 scored[path] = (Scorer.BRANCHES, other.scores[v])
         t_spent = drafting_time(drafter) + ngram.counters.t_stage2
         whole = DraftTree(merged, {})  # scores already calibrated: factor 1

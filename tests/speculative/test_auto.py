@@ -253,6 +253,28 @@ def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
     assert len(capped) - 1 == 2  # never more nodes than the target's batch was sized for
 
 
+def test_merged_tree_keeps_each_nodes_own_probability_for_the_acceptance_maps() -> None:
+    """The merged tree's scores are estimates times factors; what the acceptance maps learn
+    from is each drafter's own probability of the node, which the merge must carry over."""
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    engine.measure_cost()
+    draft = TokenTree.rooted(7)
+    a = draft.add(0, 1, 0.8, "draft", 0.35)
+    draft.add(a, 2, 0.6, "draft", 0.3)
+    ngram = TokenTree.rooted(7)
+    b = ngram.add(0, 1, 0.5, "ngram", 0.5)
+    ngram.add(b, 4, 0.4, "ngram", 0.2)
+
+    class Counted:
+        counters = DraftCounters()
+
+    merged = engine._policy(Mode.AUTO).merge(
+        DraftTree(draft, {}), DraftTree(ngram, {}), Counted(), NgramDrafter(engine.ngram),
+        TreeBudget(24, 8, 3)).tree.tree
+    probs = {merged.path(v): merged.probs[v] for v in range(1, len(merged))}
+    assert probs == {(1,): 0.35, (1, 2): 0.3, (1, 4): 0.2}
+
+
 def test_auto_greedy_verifies_ngram_branches_beside_the_draft_and_stays_exact() -> None:
     """A flat cost curve (a GPU), a noisy draft and an n-gram model that knows the target's
     text: the merged trees' n-gram branches are verified, some accepted, every reply exact.
