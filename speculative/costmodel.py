@@ -601,7 +601,7 @@ class Acceptance:
             raise ValueError(f"not an acceptance map: {memory!r}") from exc
         if np.any(hits > trials + 1e-9):
             raise ValueError(f"more hits than trials: {memory!r}")
-        k = np.vectorize(lambda t: shrink(t, weight))(trials) if trials.size else trials
+        k = np.array([shrink(t, weight) for t in trials.ravel()]).reshape(trials.shape)
         return Acceptance(hits * k, trials * k, self.decay, self.prior)
 
 

@@ -153,10 +153,7 @@ class Resources:
         if self.verify_cost is None or force:
             n = min(max(budget.max_nodes, config.chain_length, 16) + 1,
                     self.target.ctx.n_batch)
-            self.verify_cost = cached_verify_cost(self.target.ctx, n, refresh=force)
-            self.target.reset()
-            log.info("verify cost (ms): %s, a new batch shape +%.2f", _ms(self.verify_cost),
-                     self.verify_cost.switch * 1000)
+            self._measure_target(n, force)
         if self.draft is not None and (self.draft_cost is None or force):
             n = min(budget.max_nodes + config.lookahead + 1, self.draft.ctx.n_batch)
             self.draft_cost = cached_verify_cost(self.draft.ctx, n, refresh=force)
@@ -168,14 +165,17 @@ class Resources:
         """Measure the target's curve again (the same sizes), replacing the cached one, and
         size later steps by it; what was learned (calibrations, ``auto``'s rates) stays."""
         assert self.verify_cost is not None
-        self.verify_cost = cached_verify_cost(self.target.ctx, self.verify_cost.sizes[-1],
-                                              refresh=True)
-        self.target.reset()
+        self._measure_target(self.verify_cost.sizes[-1], refresh=True)
         if self.sizer is not None:
             self.sizer.measured_target = self.verify_cost
             self.sizer.locate(0, None)
-        log.info("verify cost measured again (ms): %s", _ms(self.verify_cost))
         return self.verify_cost
+
+    def _measure_target(self, max_tokens: int, refresh: bool) -> None:
+        self.verify_cost = cached_verify_cost(self.target.ctx, max_tokens, refresh=refresh)
+        self.target.reset()
+        log.info("verify cost (ms): %s, a new batch shape +%.2f", _ms(self.verify_cost),
+                 self.verify_cost.switch * 1000)
 
     def feed_ngram(self, committed: Sequence[int]) -> None:
         """Teach the n-gram model the conversation (only what it has not seen yet). Called

@@ -138,7 +138,7 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
             name: {"on": round(c.seconds_on * 1000, 2), "off": round(c.seconds_off * 1000, 2)}
             for name, c in pair.flash.items()}
         cost = pair.measure_costs(spec)
-        report["cost_remeasured"] = _check_curve(pair, spec, prompts_of(sets))
+        report["cost_remeasured"] = _check_curve(pair, spec, next(iter(sets.values()))[0])
         cost = pair.costs or cost
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
         report["cost_context"] = {"target": _context(cost[0]),
@@ -167,16 +167,12 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
     return 0
 
 
-def prompts_of(sets: dict[str, list[str]]) -> list[str]:
-    return [p for prompts in sets.values() for p in prompts]
-
-
-def _check_curve(pair: ModelPair, spec: SpecConfig, prompts: list[str]) -> bool:
+def _check_curve(pair: ModelPair, spec: SpecConfig, text: str) -> bool:
     """Check the target's curve (cached, perhaps, from a slow moment) against untimed plain
-    decoding of the first prompt, as the app does between replies (``ModelPair.check_curve``),
-    before anything is timed by it; whether it was measured again."""
+    decoding of ``text``, as the app does between replies (``ModelPair.check_curve``), before
+    anything is timed by it; whether it was measured again."""
     engine = pair.engine(dataclasses.replace(spec, mode=Mode.PLAIN))
-    prompt = pair.target.vocab.tokenize(prompts[0])
+    prompt = pair.target.vocab.tokenize(text)
     # passes count from the context the curve was timed after (the first follows the prompt)
     timed_after = pair.costs[0].context if pair.costs is not None else 0
     n = max(timed_after - len(prompt), 0) + CHECK_PASSES + 2
