@@ -130,7 +130,10 @@ class VerifyCost:
 
 
 DENSE_UP_TO = 8  # every batch size up to this one is measured; beyond it, every 4th
-ROUNDS = 3       # timings of each size, taken in rounds across all sizes
+ROUNDS = 3       # timings of each size, taken in rounds across all sizes, at least
+MAX_ROUNDS = 9   # ... and at most, while the ratios to a single token are imprecise
+PRECISION = 0.04  # relative standard error of each cost(n)/cost(1) measured for
+MEASURE_BUDGET = 20.0  # seconds after which no further round is begun
 PREFIX = 64      # tokens of context the curve is timed after
 FAR = 512        # ... and the few sizes that measure what a longer context adds
 FAR_SIZES = (1, 2, 4, 8)  # (and the largest): enough for a line in the batch size
@@ -146,16 +149,20 @@ def curve_sizes(max_tokens: int) -> list[int]:
 
 
 def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = PREFIX,
-                        rounds: int = ROUNDS, far: int = FAR) -> VerifyCost:
+                        rounds: int = ROUNDS, far: int = FAR,
+                        max_rounds: int = MAX_ROUNDS) -> VerifyCost:
     """Time one-batch decodes of every size in ``curve_sizes`` after ``prefix`` tokens, each
     after a batch of the same size (the first decode of a shape builds its graph), and the
     switch cost: what batches of 1 and 2 tokens take beyond that when they alternate. The
-    sizes are timed in ``rounds`` passes over all of them and each size's median kept, so a
+    sizes are timed in passes over all of them (rounds) and each size's median kept, so a
     change in the machine's load during the measurement shifts every size alike instead of
-    bending the curve (what decides a tree's size is the ratio of the sizes' costs). In the
-    same rounds, a few sizes are timed after ``far`` tokens (where the context allows one
-    clearly longer than ``prefix``): what each token of context adds (``per_context``).
-    Leaves the context empty."""
+    bending the curve (what decides a tree's size, and what the meter's counterfactual reads,
+    is the ratio of the sizes' costs). At least ``rounds`` rounds, then more, up to
+    ``max_rounds`` and ``MEASURE_BUDGET`` seconds, while some cost(n)/cost(1) is not yet
+    ``PRECISION``-precise (``precise``): where single decodes jitter, three timings can
+    leave a ratio a tenth or more off. In the first ``rounds`` rounds, a few sizes are also
+    timed after ``far`` tokens (where the context allows one clearly longer than ``prefix``):
+    what each token of context adds (``per_context``). Leaves the context empty."""
     sizes = [n for n in curve_sizes(max_tokens) if n <= min(ctx.n_batch, ctx.n_ctx - 1)]
     prefix = max(1, min(prefix, ctx.n_ctx - sizes[-1], ctx.n_batch))
     far = min(far, ctx.n_ctx - sizes[-1])
@@ -164,11 +171,14 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = PREFIX,
     _fill(ctx, 0, prefix)
     times: dict[int, list[float]] = {n: [] for n in sizes}
     far_times: dict[int, list[float]] = {n: [] for n in far_sizes}
-    for _ in range(rounds):
+    start = time.perf_counter()
+    for r in range(max(rounds, max_rounds)):
+        if r >= rounds and (precise(times) or time.perf_counter() - start > MEASURE_BUDGET):
+            break
         for n in sizes:
             _timed_decode(ctx, prefix, n)  # after a batch of another size: not the curve
             times[n].append(_timed_decode(ctx, prefix, n))
-        if far_sizes:
+        if far_sizes and r < rounds:
             ctx.seq_rm(0, prefix, -1)
             _fill(ctx, prefix, far)
             for n in far_sizes:
@@ -177,12 +187,31 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = PREFIX,
             ctx.seq_rm(0, prefix, -1)
     seconds = [float(np.median(times[n])) for n in sizes]
     # each round's far timing against the same round's (the machine's load of the moment)
-    slopes = {n: float(np.median(np.subtract(far_times[n], times[n]))) / (far - prefix)
-              for n in far_sizes}
+    slopes = {n: float(np.median(np.subtract(far_times[n], times[n][:len(far_times[n])])))
+              / (far - prefix) for n in far_sizes}
     switch = _measure_switch(ctx, prefix, 2 * rounds + 2) if len(sizes) > 1 else 0.0
     ctx.clear()
     return VerifyCost(tuple(sizes), tuple(seconds), switch, context=prefix,
                       per_context=_line(slopes))
+
+
+def precise(times: dict[int, list[float]], precision: float = PRECISION) -> bool:
+    """Whether every size's cost relative to a single token's is known within ``precision``
+    (relative standard error), from each size's timings so far (the first size's: the single
+    token's). A median's standard error is estimated from the timings' median absolute
+    deviation (robust to the odd timing a busy moment stretched); a ratio's combines both
+    sizes'."""
+    def error(ts: list[float]) -> float:
+        t = np.asarray(ts)
+        mid = float(np.median(t))
+        if len(t) < 2 or mid <= 0:
+            return float("inf")
+        spread = 1.4826 * float(np.median(np.abs(t - mid)))  # sigma, were the jitter normal
+        return 1.2533 * spread / np.sqrt(len(t)) / mid        # the median's, relative
+
+    sizes = sorted(times)
+    one = error(times[sizes[0]])
+    return all(np.hypot(one, error(times[n])) <= precision for n in sizes[1:])
 
 
 def _fill(ctx: Context, start: int, end: int) -> None:
@@ -253,7 +282,8 @@ def cached_verify_cost(ctx: Context, max_tokens: int, path: Path | None = None,
     path = path or cache_path()
     # the sizes name how the curve is measured: a cache of another way of measuring is stale
     sizes = curve_sizes(max_tokens)
-    how = f"{key}|{max_tokens}|{sizes}|{ROUNDS}|{PREFIX}|{FAR}|{FAR_SIZES}"
+    how = (f"{key}|{max_tokens}|{sizes}|{ROUNDS}|{MAX_ROUNDS}|{PRECISION}|{PREFIX}|{FAR}|"
+           f"{FAR_SIZES}")
     digest = hashlib.sha256(how.encode()).hexdigest()[:24]
     entries = read_cache(path)
     hit = entries.get(digest)
@@ -347,6 +377,55 @@ def cached_flash_attn(key: str, measure: Callable[[], tuple[float, float]],
                        "measured": time.time()}
     write_cache(path, entries)
     return FlashChoice(choice, on, off)
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class ThreadsChoice:
+    """How many threads decode one model fastest here, and what decided it: one token's
+    seconds over the window with each count measured (``window_costs``)."""
+
+    threads: int
+    seconds: dict[int, float]
+
+
+def choose_threads(seconds: dict[int, float], margin: float = SAME_SPEED,
+                   handicap: dict[int, float] | None = None) -> int:
+    """The fewest threads whose measured seconds, plus the count's ``handicap`` (seconds a
+    pass with that many threads is expected to lose where it will run), are within ``margin``
+    of the best. Fewer threads leave cores to the rest of the machine, and a small model can
+    decode faster on fewer: its passes are too short to pay for waking and joining more."""
+    handicap = handicap or {}
+    total = {n: t + handicap.get(n, 0.0) for n, t in seconds.items()}
+    best = min(total.values())
+    return min(n for n, t in total.items() if t <= (1.0 + margin) * best)
+
+
+def cached_threads(key: str, candidates: Sequence[int],
+                   measure: Callable[[Sequence[int]], list[float]], margin: float = SAME_SPEED,
+                   handicap: dict[int, float] | None = None,
+                   path: Path | None = None) -> ThreadsChoice:
+    """``choose_threads`` among ``candidates`` (``key``: the model file, the machine, the
+    settings, the window), as ``measure`` times them (seconds per count, from
+    ``window_costs``), measured once and remembered beside the cost curves."""
+    counts = sorted(set(candidates))
+    path = path or cache_path()
+    digest = "threads-" + hashlib.sha256(f"{key}|{counts}".encode()).hexdigest()[:24]
+    entries = read_cache(path)
+    hit = entries.get(digest)
+    seconds: dict[int, float] | None = None
+    try:
+        seconds = {int(n): float(t) for n, t in hit["seconds"].items()}
+    except (KeyError, TypeError, ValueError, AttributeError):
+        pass  # not measured yet, or a broken entry: measure
+    if seconds is None or sorted(seconds) != counts:
+        seconds = dict(zip(counts, measure(counts), strict=True))
+        entries[digest] = {"seconds": {str(n): t for n, t in seconds.items()},
+                           "measured": time.time()}
+        write_cache(path, entries)
+    choice = choose_threads(seconds, margin, handicap)
+    log.info("one token over the window by threads: %s ms, handicaps %s: %d",
+             {n: round(t * 1000, 2) for n, t in seconds.items()}, handicap or {}, choice)
+    return ThreadsChoice(choice, seconds)
 
 
 MEASURE_ATTEMPTS = 3  # measurements of a curve before an untrusted one is used as it is

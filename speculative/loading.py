@@ -13,15 +13,17 @@ import dataclasses
 import hashlib
 import logging
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 
 from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window, setting_key
 from .costmodel import (
     FlashChoice,
+    ThreadsChoice,
     VerifyCost,
     cache_dir,
     cached_flash_attn,
+    cached_threads,
     read_cache,
     window_costs,
     write_cache,
@@ -49,6 +51,8 @@ class ModelPair:
     costs: tuple[VerifyCost, VerifyCost | None] | None = None
     # where flash attention was left to the machine: what was measured, by "target" / "draft"
     flash: dict[str, FlashChoice] = dataclasses.field(default_factory=dict)
+    # where the thread count was left to the machine: what was measured, by "target" / "draft"
+    threads: dict[str, ThreadsChoice] = dataclasses.field(default_factory=dict)
     remeasured: bool = False  # the target's curve was measured again (``check_curve``)
 
     def new_ngram(self) -> KatzTrigram | None:
@@ -165,7 +169,9 @@ def check_ngram(path: Path, target: LlamaModel) -> None:
 def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfig,
               gpu_layers: tuple[int, int] = (0, 0), ngram: str | Path | None = None,
               ngram_optional: bool = False,
-              measuring: Callable[[str], None] | None = None) -> ModelPair:
+              measuring: Callable[[str], None] | None = None,
+              threads: Sequence[int] = (), threads_handicap: dict[int, float] | None = None,
+              ) -> ModelPair:
     """Load both models, check they share a tokenizer, and create their contexts.
 
     Both contexts get the same window (the smaller trained context wins, or ``ContextTooLarge``
@@ -174,7 +180,10 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
     refused (``IncompatibleModels``), or with ``ngram_optional`` (the built-in GPT-2 n-gram
     beside a model of another vocabulary) left out. Flash attention left to the machine
     (``config.flash_attn`` None) is measured for each model the first time (``measuring`` is
-    told, for a status line). Whatever fails, what was loaded so far is freed, and models
+    told, for a status line). Given several ``threads`` counts, each model decodes with the
+    fewest that are as fast as any, measured the first time, each count's time plus its
+    ``threads_handicap`` (``threads_choice``); otherwise with ``config.n_threads``.
+    Whatever fails, what was loaded so far is freed, and models
     loaded elsewhere are untouched.
     """
     with contextlib.ExitStack() as stack:
@@ -187,12 +196,20 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
             n_ctx = fit_window(dataclasses.replace(config, n_ctx=n_ctx), d_model.n_ctx_train,
                                d_model.path.name)
         config = dataclasses.replace(config, n_ctx=n_ctx)
-        flash = {}
+        configs, flash, counts = {}, {}, {}
         for name, model in (("target", t_model), ("draft", d_model)):
-            if model is not None and config.flash_attn is None:
-                flash[name] = flash_attn_choice(model, config, measuring)
-        t_ctx = stack.enter_context(LlamaContext(t_model, _with_flash(config, flash, "target")))
-        d_ctx = (stack.enter_context(LlamaContext(d_model, _with_flash(config, flash, "draft")))
+            if model is None:
+                continue
+            configs[name] = config
+            if len(set(threads)) > 1:
+                counts[name] = threads_choice(model, config, threads, threads_handicap,
+                                              measuring)
+                configs[name] = dataclasses.replace(config, n_threads=counts[name].threads)
+            if config.flash_attn is None:
+                flash[name] = flash_attn_choice(model, configs[name], measuring)
+                configs[name] = dataclasses.replace(configs[name], flash_attn=flash[name].on)
+        t_ctx = stack.enter_context(LlamaContext(t_model, configs["target"]))
+        d_ctx = (stack.enter_context(LlamaContext(d_model, configs["draft"]))
                  if d_model is not None else None)
         ngram_path = Path(ngram) if ngram is not None else None
         if ngram_path is not None:
@@ -204,12 +221,34 @@ def open_pair(target: str | Path, draft: str | Path | None, config: ContextConfi
                 log.info("no n-gram model: %s", exc)
                 ngram_path = None
         stack.pop_all()  # success: the pair owns them now
-        return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path, flash=flash)
+        return ModelPair(t_model, t_ctx, d_model, d_ctx, ngram_path, flash=flash,
+                         threads=counts)
 
 
-def _with_flash(config: ContextConfig, flash: dict[str, FlashChoice], name: str
-                ) -> ContextConfig:
-    return dataclasses.replace(config, flash_attn=flash[name].on) if name in flash else config
+def threads_choice(model: LlamaModel, config: ContextConfig, counts: Sequence[int],
+                   handicap: dict[int, float] | None = None,
+                   measuring: Callable[[str], None] | None = None) -> ThreadsChoice:
+    """How many of ``counts`` threads ``model`` decodes with: the fewest about as fast as the
+    fastest over the window, each count's time plus its ``handicap`` (seconds a pass on that
+    many threads loses where it runs), measured once per model file, machine and settings and
+    remembered (``costmodel.cached_threads``; flash attention as ``config`` says, on where it
+    leaves it to the machine). A small model's passes can be faster on fewer threads: they
+    are too short to pay for waking and joining more; a large one's need every core's share
+    of the memory bandwidth."""
+    key = "|".join(str(x) for x in (setting_key(model, 0, config.n_batch), config.n_ctx,
+                                    config.n_seq_max, config.flash_attn))
+
+    def measure(candidates: Sequence[int]) -> list[float]:
+        if measuring is not None:
+            measuring(f"Timing {model.path.name} on {' and '.join(map(str, candidates))} "
+                      "threads (once on this machine)…")
+        with contextlib.ExitStack() as stack:
+            contexts = [stack.enter_context(LlamaContext(model, dataclasses.replace(
+                config, n_threads=n, flash_attn=config.flash_attn is not False)))
+                for n in candidates]
+            return window_costs(contexts)
+
+    return cached_threads(key, counts, measure, handicap=handicap)
 
 
 def resolve_flash_attn(model: LlamaModel, config: ContextConfig,

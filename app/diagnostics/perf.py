@@ -5,7 +5,8 @@ core that one of them holds, decoding can slow down many times over. This measur
 prompt, models and settings, generation tokens/s (prefill excluded, as ``RunStats`` counts it):
 
 1. as the command line runs it (no window, every core);
-2. in the window, streaming and charting, with the app's thread policy (``app_threads``);
+2. in the window, streaming and charting, with the app's thread policy (``app_threads``: each
+   model's count measured among all cores and one fewer);
 3. in the window with every core given to llama.cpp (the naive policy), for comparison.
 
 Each figure is the median of ``--repeats`` replies; the runs alternate so drifts hit all alike.
@@ -27,7 +28,7 @@ from PySide6.QtWidgets import QApplication
 from app.main import create_app, open_window
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
-from app.worker.loading import app_threads, open_models
+from app.worker.loading import open_models
 from speculative.backend import default_threads
 from speculative.stats import RunStats
 
@@ -73,10 +74,12 @@ def _window(data: Path, settings: AppSettings, threads: int) -> MainWindow:
 
 def run(args: argparse.Namespace) -> int:
     create_app()
+    models = {"target_path": str(args.check_target or ""),
+              "draft_path": str(args.check_draft or "")}
     settings = AppSettings(mode=args.mode or "staged", temperature=args.temp or 0.0,
-                           max_tokens=args.max_tokens or 200, seed=0)
+                           max_tokens=args.max_tokens or 200, seed=0, **models)
     cores = default_threads()
-    policies = {"window, app policy": app_threads(cores), "window, every core": cores}
+    policies = {"window, app policy": 0, "window, every core": cores}  # 0: the app's choice
     speeds: dict[str, list[float]] = {"command line": [], **{k: [] for k in policies}}
     with tempfile.TemporaryDirectory() as tmp:
         windows = {name: _window(Path(tmp) / str(i), settings, threads)
@@ -87,16 +90,19 @@ def run(args: argparse.Namespace) -> int:
                 window.new_conversation()
                 speeds[name].append(app_speed(window, args.prompt or PROMPT))
                 time.sleep(0.2)
+        info = windows["window, app policy"].info
+        chosen = info.threads_text() if info is not None else "?"
         for window in windows.values():
             window.close()
     base = statistics.median(speeds["command line"])
     print(f"mode {settings.mode}, temperature {settings.temperature}, {settings.max_tokens} "
           f"tokens, {cores} cores, OMP_WAIT_POLICY={os.environ.get('OMP_WAIT_POLICY', '-')}, "
           f"{args.repeats} repeats (median, min-max)")
-    threads = {"command line": cores, **policies}
+    threads = {"command line": f"{cores} threads", "window, every core": f"{cores} threads",
+               "window, app policy": chosen}
     for name, values in speeds.items():
         med = statistics.median(values)
-        print(f"{name:<22} {threads[name]:>2} threads {med:8.1f} tok/s "
+        print(f"{name:<22} {threads[name]:<20} {med:8.1f} tok/s "
               f"({min(values):.1f}-{max(values):.1f})  {med / base:6.1%} of the command line")
     QApplication.processEvents()
     return 0

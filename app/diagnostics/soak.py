@@ -39,12 +39,12 @@ from app.main import create_app, open_window
 from app.prompting import FORMATS, chat_prompt
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
-from app.worker.loading import app_threads
+from app.worker.loading import WINDOW_STALL, app_threads
 from models.catalog import builtin_pair
 from speculative import backend
 from speculative.backend import LlamaContext, LlamaModel
 from speculative.divergence import explain
-from speculative.loading import resolve_flash_attn
+from speculative.loading import resolve_flash_attn, threads_choice
 from speculative.penalties import penalizer_for
 from speculative.policies import Mode
 
@@ -327,8 +327,10 @@ def run_soak(tokens: int, modes: Sequence[str], switch_every: int = 3, max_token
         # the worker's is (measured once and remembered), one thread (before the census, which
         # counts the window's contexts only)
         model = stack.enter_context(LlamaModel(builtin_pair()[0]))
-        like_worker = resolve_flash_attn(
-            model, AppSettings(max_tokens=max_tokens).context(threads=app_threads()))
+        config = AppSettings(max_tokens=max_tokens).context(threads=max(app_threads()))
+        counts = app_threads()
+        threads = threads_choice(model, config, counts, {max(counts): WINDOW_STALL}).threads
+        like_worker = resolve_flash_attn(model, dataclasses.replace(config, n_threads=threads))
         referee = stack.enter_context(LlamaContext(
             model, dataclasses.replace(like_worker, n_threads=1)))
         folder = data_dir or Path(stack.enter_context(tempfile.TemporaryDirectory()))

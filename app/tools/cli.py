@@ -193,6 +193,10 @@ def _app_arguments(parser: argparse.ArgumentParser) -> None:
                         help="measure tokens/s streamed into the window against the command "
                              "line on the same settings (the thread policy), then quit")
     parser.add_argument("--repeats", type=int, default=3, help="with --throughput-check")
+    parser.add_argument("--check-target", type=Path, default=None,
+                        help="with --throughput-check: the target GGUF (default: built-in)")
+    parser.add_argument("--check-draft", type=Path, default=None,
+                        help="with --throughput-check: the draft GGUF (default: built-in)")
     parser.add_argument("--data-dir", type=Path,
                         help="keep settings and history here instead of the user's folders")
 

@@ -30,7 +30,7 @@ def about_text(info: ModelInfo | None) -> str:
     if info is not None:
         flash = " / ".join("on" if f else "off" for f in info.flash_attn if f is not None)
         lines.append(f"<p>Target: {info.target}<br>Draft: {info.draft or 'none'}<br>"
-                     f"{info.n_ctx}-token window, {info.threads} threads, flash attention "
+                     f"{info.n_ctx}-token window, {info.threads_text()}, flash attention "
                      f"{flash} (whichever decodes faster on this machine)</p>"
                      f"<p><small>llama.cpp: {info.system}</small></p>")
     return "".join(lines)

@@ -457,8 +457,7 @@ class MainWindow(QMainWindow):
         self.local_server.update(info, self.settings)
         draft = info.draft or "none"
         self.model_label.setText(f" target: {info.target} · draft: {draft} · "
-                                 f"{info.n_ctx}-token window · {info.threads} "
-                                 f"thread{'s' if info.threads != 1 else ''} ")
+                                 f"{info.n_ctx}-token window · {info.threads_text()} ")
         one = info.verify_ms.get(1)
         note = ("Speedup is estimated step by step: each target pass, scaled by this "
                 "machine's cost curve to one token, says what plain decoding of the same "

@@ -28,16 +28,26 @@ _CALIBRATION_PROMPT = "def main():\n"
 _CALIBRATION_TOKENS = 24
 
 
-def app_threads(cores: int | None = None) -> int:
-    """llama.cpp threads for the app when the user has not chosen: all cores but one for the
-    window, which streams text and redraws the chart while the engine runs. llama.cpp's
-    threads spin at barriers, and one that shares its core with the busy GUI thread stalls
-    every barrier; a core of its own avoids that. Measure with ``staged-chat app
-    --throughput-check``."""
+def app_threads(cores: int | None = None) -> tuple[int, ...]:
+    """The llama.cpp thread counts the app chooses among for each model when the user has not
+    chosen: all cores, or all but one for the window, which streams text and redraws the chart
+    while the engine runs. llama.cpp's threads spin at barriers, and one that shares its core
+    with the busy GUI thread stalls the barrier. Each model gets the count that decodes it
+    fastest, measured once on this machine (``speculative.loading.threads_choice``), every
+    core's time counted ``WINDOW_STALL`` more per pass: a small model's short passes go faster
+    on a core fewer, a large model's long ones on every core (they need every core's share of
+    the memory bandwidth, and lose little to a stall). Measure the policy with ``staged-chat
+    app --throughput-check``."""
     if cores is None:
         cores = (len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity")
                  else os.cpu_count() or 1)
-    return max(1, cores - 1)
+    return tuple(sorted({max(1, cores - 1), cores}))
+
+
+# what a pass on every core loses to the window drawing a streaming reply, about: with
+# ``--throughput-check`` on 2-core hosts, a pass of the built-in target on every core took
+# ~5 ms longer in the window than on the command line, and a pass of a 36-layer F16 one too
+WINDOW_STALL = 0.005
 
 
 @dataclasses.dataclass(slots=True)
@@ -51,23 +61,26 @@ class Loaded:
     info: ModelInfo
 
 
-def open_models(settings: AppSettings, threads: int,
+def open_models(settings: AppSettings, threads: int | None = None,
                 status: Callable[[str], None] | None = None) -> ModelPair:
     """The pair the settings name (the built-in one by default), with the built-in n-gram model
     where the target's vocabulary is GPT-2's (it counts GPT-2 token ids); ``status`` hears of
-    a first measurement of this machine."""
+    a first measurement of this machine. Each model decodes with ``threads`` threads, or the
+    settings' count, or, where neither says, the app's choice (``app_threads``)."""
     target, draft = model_paths(settings)
-    return open_pair(target, draft, settings.context(threads),
+    threads = threads or settings.threads
+    counts = app_threads() if not threads else ()
+    return open_pair(target, draft, settings.context(threads or max(counts)),
                      (settings.gpu_layers, settings.draft_gpu_layers),
                      ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
-                     ngram_optional=True, measuring=status)
+                     ngram_optional=True, measuring=status, threads=counts,
+                     threads_handicap={max(counts): WINDOW_STALL} if len(counts) > 1 else None)
 
 
 def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:
     """Open the models, measure this machine's cost curves and plain decoding speed."""
     t0 = time.perf_counter()
-    threads = settings.threads or app_threads()
-    pair = open_models(settings, threads, status)
+    pair = open_models(settings, status=status)
     try:
         status("Measuring this machine's speed…")
         pair.measure_costs(settings.spec())
@@ -82,7 +95,9 @@ def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:
     info = ModelInfo(
         target=pair.target.name, draft=pair.draft.name if pair.draft else None,
         target_path=str(target), draft_path=str(draft) if draft else None,
-        builtin=is_builtin(settings.target_path), n_ctx=pair.target_ctx.n_ctx, threads=threads,
+        builtin=is_builtin(settings.target_path), n_ctx=pair.target_ctx.n_ctx,
+        threads=(pair.target_ctx.n_threads,
+                 pair.draft_ctx.n_threads if pair.draft_ctx is not None else None),
         has_ngram=pair.ngram_path is not None, plain_seconds_per_token=plain,
         flash_attn=(pair.target_ctx.flash_attn,
                     pair.draft_ctx.flash_attn if pair.draft_ctx is not None else None),

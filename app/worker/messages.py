@@ -21,7 +21,7 @@ class ModelInfo:
     draft_path: str | None
     builtin: bool                   # the built-in pair (code models)
     n_ctx: int
-    threads: int
+    threads: tuple[int, int | None]  # llama.cpp threads of the target's and the draft's contexts
     has_ngram: bool
     plain_seconds_per_token: float  # measured plain decoding, for the estimated speedup
     verify_ms: dict[int, float]     # the target's measured cost of verifying n tokens
@@ -29,6 +29,12 @@ class ModelInfo:
     system: str = ""                # llama.cpp's build and CPU features
     # flash attention in the target's and the draft's contexts (measured faster here)
     flash_attn: tuple[bool, bool | None] = (True, None)
+
+    def threads_text(self) -> str:
+        """The thread counts as the window says them ("2 threads", "2 threads, draft 1")."""
+        target, draft = self.threads
+        text = f"{target} thread{'s' if target != 1 else ''}"
+        return text if draft is None or draft == target else f"{text}, draft {draft}"
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

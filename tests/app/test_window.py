@@ -453,3 +453,22 @@ def test_a_restarted_app_starts_from_what_the_last_run_learned(qtbot, data_dir: 
     _reply(qtbot, again, "import os\n")
     assert again.controller.worker._engine.planner.elapsed > 0
     again.close()
+
+
+def test_each_model_decodes_on_the_threads_measured_fastest_here_unless_the_user_says(
+        qtbot, data_dir: Path) -> None:
+    """Left to the app, each model's thread count is one of its choices (every core, or one
+    fewer for the window), as measured on this machine, and the window says which; a count
+    the user set is every model's."""
+    from app.worker.loading import app_threads
+
+    chosen = _open(qtbot, data_dir)
+    info = chosen.info
+    assert info is not None and info.draft is not None
+    assert set(info.threads) <= set(app_threads())
+    assert info.threads_text() in chosen.model_label.text()
+    chosen.close()
+    set_by_user = _open(qtbot, data_dir, threads=1)
+    assert set_by_user.info is not None and set_by_user.info.threads == (1, 1)
+    assert "1 thread " in set_by_user.model_label.text()
+    set_by_user.close()

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 
 from speculative.costmodel import (
@@ -162,6 +163,46 @@ def test_a_load_change_mid_measurement_does_not_bend_the_curve() -> None:
     cost = measure_verify_cost(ctx, 8, rounds=3)
     ratio = cost.curve(8) / cost.curve(1)
     assert ratio == pytest.approx(10 / 3, rel=0.2)  # (8 + 2) / (1 + 2), calm or busy alike
+
+
+class _Jittery(FakeContext):
+    """Decodes that take 1 ms a token plus 2 ms, each stretched by up to ``jitter`` of that at
+    random (a machine whose other tenants come and go)."""
+
+    def __init__(self, *args, jitter: float, **kwargs) -> None:
+        super().__init__(*args, **kwargs)
+        self.jitter, self.decodes = jitter, 0
+        self.rng = np.random.default_rng(0)
+
+    def decode(self, tokens, *args, **kwargs):
+        self.decodes += 1
+        time.sleep(0.001 * (len(tokens) + 2) * (1.0 + self.jitter * self.rng.random()))
+        return super().decode(tokens, *args, **kwargs)
+
+
+def test_a_jittery_machine_is_timed_longer_than_a_steady_one() -> None:
+    """Three rounds are enough where decodes take what they take; where they jitter, rounds go
+    on (up to the limit) until every ratio to a single token is precise, and the ratios come
+    out right."""
+    steady = _Jittery(logit_table(5, seed=0), n_ctx=40, n_batch=16, jitter=0.0)
+    measure_verify_cost(steady, 8, far=0)
+    jittery = _Jittery(logit_table(5, seed=0), n_ctx=40, n_batch=16, jitter=0.6)
+    cost = measure_verify_cost(jittery, 8, far=0, max_rounds=12)
+    assert jittery.decodes > steady.decodes
+    assert cost.curve(8) / cost.curve(1) == pytest.approx(10 / 3, rel=0.15)
+
+
+def test_precision_is_judged_on_the_ratios_to_a_single_token() -> None:
+    from speculative.costmodel import precise
+
+    steady = {1: [1.0, 1.0, 1.01], 4: [2.0, 2.02, 2.0]}
+    assert precise(steady)
+    assert not precise({1: [1.0, 1.3, 0.8], 4: [2.0, 2.02, 2.0]})  # the single token jitters
+    assert not precise({1: [1.0, 1.0, 1.01], 4: [2.0, 2.6, 1.6]})
+    assert not precise({1: [1.0], 4: [2.0]})  # one timing says nothing of its spread
+    many = {n: [t * (1.0 + 0.1 * ((i * 7) % 5 - 2) / 2) for i in range(40)]
+            for n, t in ((1, 1.0), (4, 2.0))}
+    assert precise(many)  # a spread of 10% measured forty times is precise enough
 
 
 class _Attending(FakeContext):

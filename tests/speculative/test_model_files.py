@@ -355,3 +355,43 @@ def test_a_pair_opened_with_flash_attention_left_to_the_machine_measures_it_once
         assert len(measured) == 2 and pair.target_ctx.flash_attn is chosen  # remembered
     with LlamaModel(tiny_models["q8_0-target"]) as model, pytest.raises(ValueError):
         LlamaContext(model, config)
+
+
+def test_a_pair_given_thread_counts_measures_each_model_once_and_takes_the_fastest(
+        tiny_models, tmp_path, monkeypatch) -> None:
+    """``threads=(1, 2)``: each model's context runs on the count measured fastest here, its
+    time plus the count's handicap (real llama.cpp contexts, both counts timed once),
+    remembered for the next opening; the handicap decides again from what was remembered."""
+    from speculative import costmodel
+    from speculative.backend import ContextConfig
+    from speculative.loading import open_pair
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    measured = []
+    real = costmodel.window_costs
+    monkeypatch.setattr("speculative.loading.window_costs",
+                        lambda ctxs: measured.append(real(ctxs, rounds=1)) or measured[-1])
+    config = ContextConfig(n_ctx=128, n_batch=32, n_seq_max=64, flash_attn=False)
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], config,
+                   threads=(2, 1)) as pair:
+        assert len(measured) == 2  # the target's and the draft's, each on 1 and 2 threads
+        for ctx, (one, two) in ((pair.target_ctx, measured[0]), (pair.draft_ctx, measured[1])):
+            assert one > 0 and two > 0
+            assert ctx.n_threads == costmodel.choose_threads({1: one, 2: two})
+        assert pair.threads["target"].seconds == {1: measured[0][0], 2: measured[0][1]}
+    slow_two = {2: 10.0}  # every core loses far more than any pass takes: one thread
+    with open_pair(tiny_models["q8_0-target"], None, config, threads=(1, 2),
+                   threads_handicap=slow_two) as pair:
+        assert len(measured) == 2 and pair.target_ctx.n_threads == 1  # remembered
+    with open_pair(tiny_models["q8_0-target"], None, config) as pair:
+        assert pair.threads == {}  # one count: nothing to choose
+
+
+def test_the_fewest_threads_about_as_fast_as_the_fastest_are_chosen() -> None:
+    from speculative.costmodel import choose_threads
+
+    assert choose_threads({1: 0.100, 2: 0.070}) == 2  # a large model: every core pays
+    assert choose_threads({1: 0.0054, 2: 0.0042}) == 2
+    assert choose_threads({1: 0.0054, 2: 0.0042}, handicap={2: 0.005}) == 1  # in a window
+    assert choose_threads({1: 0.100, 2: 0.070}, handicap={2: 0.005}) == 2
+    assert choose_threads({1: 0.0100, 2: 0.0099}) == 1  # as fast: leave a core free
