@@ -5,7 +5,10 @@
 
 For each prompt, in the real window (offscreen): one reply, whose estimated speedup the
 statistics panel shows, then a race of plain decoding against the mode on the same prompt
-(measured side by side). Prints both and their ratio, per prompt and pooled. ``--busy N``
+(measured side by side). Prints both and their ratio, per prompt and pooled; and the estimate
+of the race's own speculative run (its first round) against the race: ``auto`` learns from
+the reply and may run the race otherwise (drafting where the reply ran the target alone),
+so that ratio is the meter's error alone. ``--busy N``
 starts a process that keeps one core busy for the first N seconds of each reply, as another
 program on a shared desktop would: the estimate must follow the load of the moment.
 """
@@ -58,7 +61,9 @@ def one(window: MainWindow, prompt: str, busy: float) -> dict[str, float]:
     result = race.result
     race.close()
     return {"estimate": float(stats.get("estimated_speedup", 0.0)), "race": result.speedup,
-            "tokens": result.tokens, "tau": float(stats.get("tau", 0.0))}
+            "tokens": result.tokens, "tau": float(stats.get("tau", 0.0)),
+            "race_estimate": result.speculative.run.estimated_speedup(),
+            "race_tau": result.speculative.run.tau}
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -86,10 +91,12 @@ def main(argv: list[str] | None = None) -> int:
     app.processEvents()
     for row in rows:
         row["ratio"] = row["estimate"] / row["race"] if row["race"] else 0.0
+        row["race_ratio"] = row["race_estimate"] / row["race"] if row["race"] else 0.0
         print(json.dumps({k: round(v, 3) for k, v in row.items()}))
-    ratios = [r["ratio"] for r in rows]
-    print(f"estimate / race: median {statistics.median(ratios):.3f}, "
-          f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(rows)} prompts")
+    for key, what in (("ratio", "the reply's estimate"), ("race_ratio", "the race run's estimate")):
+        ratios = [r[key] for r in rows]
+        print(f"{what} / race: median {statistics.median(ratios):.3f}, "
+              f"range {min(ratios):.3f}-{max(ratios):.3f} over {len(rows)} prompts")
     return 0
 
 
