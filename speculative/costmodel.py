@@ -32,6 +32,7 @@ which draws get verified), so it uses the previous step's scores, drawn independ
 from __future__ import annotations
 
 import bisect
+import collections
 import dataclasses
 import hashlib
 import json
@@ -542,6 +543,53 @@ def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) ->
         if gain > best_gain:
             best_g, best_gain = g, gain
     return best_g
+
+
+PASS_WINDOW = 32      # recent passes of each kind ``PassLoads`` compares
+PASS_HORIZON = 120.0  # seconds after which a pass no longer counts (the machine's load drifts)
+PASS_MIN = 8          # passes of each kind before their comparison counts
+PASS_FACTOR_RANGE = (0.67, 2.0)  # what the comparison may say at most, either way
+
+
+class PassLoads:
+    """The target's passes in decoding, each over what the measured curve prices it at (after
+    a pass of the same shape, a new shape's switch taken off): single-token passes after
+    another, and passes of drafted trees. Their medians' ratio (``drafted_factor``) is what a
+    drafted pass costs in decoding beyond the curve's ratio to a single token. The curve times
+    batches back to back; in decoding the draft model runs between the target's drafted
+    passes, while plain decoding's follow one another, and on some hosts the drafted ones then
+    take a fifth longer than the curve's shape says, so a meter reading plain decoding's time
+    off them through the curve alone reads high by as much. Shared by the engines of a model
+    pair (the app's races and ``auto``'s target-alone steps time single tokens, the bench's
+    plain runs too); passes older than ``PASS_HORIZON`` seconds do not count."""
+
+    def __init__(self) -> None:
+        self.single: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=PASS_WINDOW)
+        self.drafted: collections.deque[tuple[float, float]] = collections.deque(
+            maxlen=PASS_WINDOW)
+
+    def add(self, batch: int, load: float, now: float | None = None) -> None:
+        """A pass of ``batch`` tokens that took ``load`` times the curve's price."""
+        if load > 0.0 and math.isfinite(load):
+            (self.single if batch == 1 else self.drafted).append(
+                (time.monotonic() if now is None else now, load))
+
+    def clear(self) -> None:
+        """Forget every pass (the curve they were priced by was replaced)."""
+        self.single.clear()
+        self.drafted.clear()
+
+    def drafted_factor(self, now: float | None = None) -> float:
+        """Drafted passes' median load over single tokens' (1 until each kind has
+        ``PASS_MIN`` recent passes), within ``PASS_FACTOR_RANGE``."""
+        now = time.monotonic() if now is None else now
+        recent = [[load for t, load in passes if now - t <= PASS_HORIZON]
+                  for passes in (self.single, self.drafted)]
+        if min(len(r) for r in recent) < PASS_MIN:
+            return 1.0
+        low, high = PASS_FACTOR_RANGE
+        return min(max(float(np.median(recent[1])) / float(np.median(recent[0])), low), high)
 
 
 @dataclasses.dataclass(slots=True)

@@ -21,7 +21,7 @@ from typing import Any
 import numpy as np
 
 from .auto import RECALL_STEPS, AutoPolicy, Planner
-from .costmodel import Running, VerifyCost
+from .costmodel import PassLoads, Running, VerifyCost
 from .drafting import DraftTree, TreeBudget
 from .errors import IncompatibleModels, PromptTooLong
 from .kvtree import COMMIT, KVTree, Parent, Slot
@@ -100,6 +100,9 @@ class Engine:
         self._overhead = Running(prior=0.0)
         # single-token passes timed in steady decoding over what the curve says they cost
         self._one_seen: collections.deque[float] = collections.deque(maxlen=CHECK_PASSES)
+        # the target's passes against the curve, single and drafted (a model pair's engines
+        # share one: ``ModelPair.engine``); what the meter's counterfactual corrects by
+        self.passes = PassLoads()
         self._redecode = 0  # accepted tokens the last commit left for the next pass to decode
         self._breakers = breakers
         self._penalizer: Penalizer | None = None  # the last params' (they rarely change)
@@ -247,6 +250,7 @@ class Engine:
                     "again", 100 * float(np.median(self._one_seen)))
         self.res.remeasure_target()
         self._one_seen.clear()
+        self.passes.clear()  # priced by the curve replaced
         return True
 
     def _n_ctx(self, config: SpecConfig | None = None) -> int:
@@ -299,14 +303,19 @@ class Engine:
             raise
         t2 = time.perf_counter()
         batch, shape_before = self.target.last_batch, last_shape
-        if (batch == 1 and shape_before == 1 and res.verify_cost is not None
-                and len(committed) >= res.verify_cost.context):
-            # a single-token pass after another, with at least the context the curve was
-            # timed after (a shorter one is priced as that one, and costs less): what the
-            # curve's single token is checked by
+        if res.verify_cost is not None and len(committed) >= res.verify_cost.context:
+            # a pass with at least the context the curve was timed after (a shorter one is
+            # priced as that one, and costs less), over the curve's price: a single token
+            # after another checks the curve's single token, and against drafted passes
+            # corrects the meter's counterfactual (``PassLoads``)
             curve = (res.sizer.curve if res.sizer is not None
                      else res.verify_cost.at(len(committed)))
-            self._one_seen.append((t2 - t1) / curve.curve(1))
+            if batch == 1 and shape_before == 1:
+                self._one_seen.append((t2 - t1) / curve.curve(1))
+                self.passes.add(1, (t2 - t1) / curve.curve(1))
+            elif batch > 1:
+                switch = curve.switch if batch != shape_before else 0.0
+                self.passes.add(batch, max(t2 - t1 - switch, 0.0) / curve.curve(batch))
         redecoded = self._redecode
         accepted = self._commit(plan, verdict, slots, in_place)
         t3 = time.perf_counter()
@@ -334,8 +343,9 @@ class Engine:
         (its pass and the rest of its time outside drafting: ``auto`` may draft a tree and
         keep none of it); any other step's pass of ``batch`` tokens scaled
         by the cost curve to one token (less the graph switch when the batch's shape changed),
-        plus the loop's overhead around a pass with the target alone (the decayed mean of
-        such steps'); 0 without a cost curve."""
+        and by what drafted passes have recently cost beyond the curve's shape against single
+        tokens (``PassLoads.drafted_factor``), plus the loop's overhead around a pass with
+        the target alone (the decayed mean of such steps'); 0 without a cost curve."""
         if batch == 1:
             self._overhead.add(t_rest)
             return t_verify + t_rest
@@ -343,7 +353,8 @@ class Engine:
             return 0.0
         cost = self.res.sizer.curve  # at this step's context
         switch = cost.switch if batch != shape_before else 0.0
-        one = max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
+        one = (max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
+               / self.passes.drafted_factor())
         return one + self._overhead.value  # (its prior, 0, before any such step)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,

@@ -19,6 +19,7 @@ from pathlib import Path
 from .backend import ContextConfig, LlamaContext, LlamaModel, fit_window, setting_key
 from .costmodel import (
     FlashChoice,
+    PassLoads,
     ThreadsChoice,
     VerifyCost,
     cache_dir,
@@ -54,6 +55,8 @@ class ModelPair:
     # where the thread count was left to the machine: what was measured, by "target" / "draft"
     threads: dict[str, ThreadsChoice] = dataclasses.field(default_factory=dict)
     remeasured: bool = False  # the target's curve was measured again (``check_curve``)
+    # the target's passes in decoding against its curve, shared by the pair's engines
+    passes: PassLoads = dataclasses.field(default_factory=PassLoads)
 
     def new_ngram(self) -> KatzTrigram | None:
         """A fresh copy of the n-gram model (an engine teaches its own the conversation)."""
@@ -72,6 +75,7 @@ class ModelPair:
             self.measure_costs(spec)
         if self.costs is not None:
             engine.verify_cost, engine.draft_cost = self.costs
+        engine.passes = self.passes
         if learned is not None:
             engine.adopt(learned)
         return engine

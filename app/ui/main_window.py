@@ -462,7 +462,8 @@ class MainWindow(QMainWindow):
         note = ("Speedup is estimated step by step: each target pass, scaled by this "
                 "machine's cost curve to one token, says what plain decoding of the same "
                 "target would take at that moment" + (f" (one target pass {one:.1f} ms at "
-                f"load)" if one else "") + ". Race measures it side by side.")
+                f"load)" if one else "") + ", corrected by how drafted passes have lately "
+                "compared with single ones. Race measures it side by side.")
         self.stats.set_plain_speed(info.plain_seconds_per_token, note)
         if self.conversation is None:
             self._sync_format_widgets()

@@ -81,7 +81,8 @@ class SettingsDialog(QDialog):
         self.format_defaults = QLabel("\n".join(
             f"{f.label}: {describe_sampler(f.sampler)}" for f in FORMATS.values()))
         self.format_defaults.setWordWrap(True)
-        self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (all cores but one)")
+        self.threads = _spin(0, 256, "llama.cpp threads; 0 = automatic (each model on every "
+                                     "core or one fewer, whichever decodes it faster here)")
         self.n_ctx = _spin(64, 8192, "context window in tokens (capped by the models)")
         self.n_ctx.setSingleStep(128)
         self.gpu_layers = _spin(-1, 1000, "target layers on a GPU (-1: all; 0: CPU only). Needs "

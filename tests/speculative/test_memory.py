@@ -8,7 +8,13 @@ import json
 import pytest
 
 from speculative.backend import ContextConfig
-from speculative.costmodel import VerifyCost
+from speculative.costmodel import (
+    PASS_FACTOR_RANGE,
+    PASS_HORIZON,
+    PASS_MIN,
+    PassLoads,
+    VerifyCost,
+)
 from speculative.drafting import TreeBudget
 from speculative.engine import CHECK_PASSES
 from speculative.loading import open_pair
@@ -121,6 +127,7 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         assert engine.verify_cost is again and engine.res.sizer.measured_target is again
         assert engine.res.calibrations is calibrations  # what it learned stays
         assert not engine.curve_too_dear()  # its passes are counted afresh
+        assert not pair.passes.single and not pair.passes.drafted  # priced by the old curve
 
         fresh = pair.engine(spec)
         assert fresh.verify_cost is again
@@ -130,3 +137,50 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         dear = pair.engine(spec)
         replies(dear)
         assert dear.curve_too_dear() and not pair.check_curve(dear)
+
+
+def test_drafted_passes_that_cost_more_than_the_curve_says_correct_the_meter(
+        tiny_models, tmp_path, monkeypatch) -> None:
+    """The pair's engines share what the target's passes took against the curve: plain
+    decoding's single tokens and a tree mode's drafted passes both land in it; where drafted
+    passes have recently cost a quarter more than the curve's ratio to single tokens, a
+    drafted pass's counterfactual plain time is a quarter less than the curve alone says."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = SpecConfig(mode=Mode.STAGED, tree=TreeBudget(8, 4, 2))
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], _config(),
+                   ngram_optional=True) as pair:
+        pair.measure_costs(spec)
+        vocab = pair.target.vocab
+        prompt = vocab.tokenize(PROMPTS[0] * 12)  # past the curve's context
+        _generate(pair.engine(SpecConfig(mode=Mode.PLAIN)), prompt)
+        staged = pair.engine(spec)
+        _generate(staged, prompt)
+        assert staged.passes is pair.passes
+        assert len(pair.passes.single) >= 8 and len(pair.passes.drafted) >= 1
+
+        pair.passes.single.clear()
+        pair.passes.drafted.clear()
+        plain_time = staged._plain_per_token(4, 4, t_verify=0.010, t_rest=0.0)
+        for _ in range(PASS_MIN):
+            pair.passes.add(1, 1.0)
+            pair.passes.add(4, 1.25)
+        assert staged._plain_per_token(4, 4, 0.010, 0.0) == pytest.approx(
+            (plain_time - staged._overhead.value) / 1.25 + staged._overhead.value)
+
+
+def test_pass_loads_compare_recent_passes_of_each_kind_within_bounds() -> None:
+    loads = PassLoads()
+    for i in range(PASS_MIN - 1):
+        loads.add(1, 1.0, now=float(i))
+        loads.add(5, 1.3, now=float(i))
+    assert loads.drafted_factor(now=10.0) == 1.0  # too few yet
+    loads.add(1, 1.0, now=10.0)
+    loads.add(3, 1.3, now=10.0)
+    assert loads.drafted_factor(now=10.0) == pytest.approx(1.3)
+    assert loads.drafted_factor(now=10.0 + PASS_HORIZON + 1) == 1.0  # all too old
+    for _ in range(PASS_MIN):
+        loads.add(2, 9.0, now=20.0)
+    assert loads.drafted_factor(now=20.0) == PASS_FACTOR_RANGE[1]  # a disturbed moment
+    loads.add(1, float("nan"))
+    loads.add(1, 0.0)
+    assert len(loads.single) == PASS_MIN  # neither counts
