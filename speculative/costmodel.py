@@ -160,8 +160,8 @@ def measure_verify_cost(ctx: Context, max_tokens: int, prefix: int = PREFIX,
     bending the curve (what decides a tree's size, and what the meter's counterfactual reads,
     is the ratio of the sizes' costs). At least ``rounds`` rounds, then more, up to
     ``max_rounds`` and ``MEASURE_BUDGET`` seconds, while some cost(n)/cost(1) is not yet
-    ``PRECISION``-precise (``precise``): where single decodes jitter, three timings can
-    leave a ratio a tenth or more off. In the first ``rounds`` rounds, a few sizes are also
+    ``PRECISION``-precise (``precise``): where single decodes jitter, a few timings can
+    leave a ratio well off. In the first ``rounds`` rounds, a few sizes are also
     timed after ``far`` tokens (where the context allows one clearly longer than ``prefix``):
     what each token of context adds (``per_context``). Leaves the context empty."""
     sizes = [n for n in curve_sizes(max_tokens) if n <= min(ctx.n_batch, ctx.n_ctx - 1)]
@@ -558,10 +558,11 @@ class PassLoads:
     drafted pass costs in decoding beyond the curve's ratio to a single token. The curve times
     batches back to back; in decoding the draft model runs between the target's drafted
     passes, while plain decoding's follow one another, and on some hosts the drafted ones then
-    take a fifth longer than the curve's shape says, so a meter reading plain decoding's time
-    off them through the curve alone reads high by as much. Shared by the engines of a model
-    pair (the app's races and ``auto``'s target-alone steps time single tokens, the bench's
-    plain runs too); passes older than ``PASS_HORIZON`` seconds do not count."""
+    take longer than the curve's shape says, so a meter reading plain decoding's time off
+    them through the curve alone reads high by as much (README: the F16 pair). Shared by the
+    engines of a model pair (the app's races and ``auto``'s target-alone steps time single
+    tokens, the bench's plain runs too); passes older than ``PASS_HORIZON`` seconds do not
+    count."""
 
     def __init__(self) -> None:
         self.single: collections.deque[tuple[float, float]] = collections.deque(

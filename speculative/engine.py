@@ -311,8 +311,9 @@ class Engine:
             curve = (res.sizer.curve if res.sizer is not None
                      else res.verify_cost.at(len(committed)))
             if batch == 1 and shape_before == 1:
-                self._one_seen.append((t2 - t1) / curve.curve(1))
-                self.passes.add(1, (t2 - t1) / curve.curve(1))
+                load = (t2 - t1) / curve.curve(1)
+                self._one_seen.append(load)
+                self.passes.add(1, load)
             elif batch > 1:
                 switch = curve.switch if batch != shape_before else 0.0
                 self.passes.add(batch, max(t2 - t1 - switch, 0.0) / curve.curve(batch))

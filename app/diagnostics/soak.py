@@ -39,7 +39,7 @@ from app.main import create_app, open_window
 from app.prompting import FORMATS, chat_prompt
 from app.settings import AppSettings
 from app.ui.main_window import MainWindow
-from app.worker.loading import WINDOW_STALL, app_threads
+from app.worker.loading import app_threads, window_handicap
 from models.catalog import builtin_pair
 from speculative import backend
 from speculative.backend import LlamaContext, LlamaModel
@@ -329,7 +329,7 @@ def run_soak(tokens: int, modes: Sequence[str], switch_every: int = 3, max_token
         model = stack.enter_context(LlamaModel(builtin_pair()[0]))
         config = AppSettings(max_tokens=max_tokens).context(threads=max(app_threads()))
         counts = app_threads()
-        threads = threads_choice(model, config, counts, {max(counts): WINDOW_STALL}).threads
+        threads = threads_choice(model, config, counts, window_handicap(counts)).threads
         like_worker = resolve_flash_attn(model, dataclasses.replace(config, n_threads=threads))
         referee = stack.enter_context(LlamaContext(
             model, dataclasses.replace(like_worker, n_threads=1)))

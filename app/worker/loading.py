@@ -44,10 +44,14 @@ def app_threads(cores: int | None = None) -> tuple[int, ...]:
     return tuple(sorted({max(1, cores - 1), cores}))
 
 
-# what a pass on every core loses to the window drawing a streaming reply, about: with
-# ``--throughput-check`` on 2-core hosts, a pass of the built-in target on every core took
-# ~5 ms longer in the window than on the command line, and a pass of a 36-layer F16 one too
+# what a pass on every core loses to the window drawing a streaming reply, about: the time a
+# pass took in the window beyond the command line's in ``--throughput-check`` runs (README)
 WINDOW_STALL = 0.005
+
+
+def window_handicap(counts: tuple[int, ...]) -> dict[int, float] | None:
+    """``threads_choice``'s handicap for the app's ``counts``: every core pays the stall."""
+    return {max(counts): WINDOW_STALL} if len(counts) > 1 else None
 
 
 @dataclasses.dataclass(slots=True)
@@ -74,7 +78,7 @@ def open_models(settings: AppSettings, threads: int | None = None,
                      (settings.gpu_layers, settings.draft_gpu_layers),
                      ngram=BUILTIN_NGRAM if BUILTIN_NGRAM.is_file() else None,
                      ngram_optional=True, measuring=status, threads=counts,
-                     threads_handicap={max(counts): WINDOW_STALL} if len(counts) > 1 else None)
+                     threads_handicap=window_handicap(counts) if counts else None)
 
 
 def load(settings: AppSettings, status: Callable[[str], None]) -> Loaded:

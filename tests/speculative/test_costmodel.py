@@ -202,7 +202,7 @@ def test_precision_is_judged_on_the_ratios_to_a_single_token() -> None:
     assert not precise({1: [1.0], 4: [2.0]})  # one timing says nothing of its spread
     many = {n: [t * (1.0 + 0.1 * ((i * 7) % 5 - 2) / 2) for i in range(40)]
             for n, t in ((1, 1.0), (4, 2.0))}
-    assert precise(many)  # a spread of 10% measured forty times is precise enough
+    assert precise(many)  # a moderate spread, timed many times, is precise enough
 
 
 class _Attending(FakeContext):
