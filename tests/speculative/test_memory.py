@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 
+import numpy as np
 import pytest
 
 from speculative.backend import ContextConfig
@@ -103,7 +104,7 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
     """A curve timed in a slow moment (here: the measured one, made three times dearer) and
     cached would size every later run; the replies' own single-token passes show it, and
     between replies it is measured again, for this engine and the pair's later ones, keeping
-    what the engine learned. A curve as measured is left as it is."""
+    what the engine learned, and only once per pair."""
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
     spec = SpecConfig(mode=Mode.AUTO, tree=TreeBudget(8, 4, 2))
     with open_pair(tiny_models["q8_0-target"], None, _config()) as pair:
@@ -132,7 +133,10 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         fresh = pair.engine(spec)
         assert fresh.verify_cost is again
         replies(fresh)
-        assert not fresh.curve_too_dear()
+        # the curve measured again prices single tokens as decoding does, within what a
+        # tiny model's sub-millisecond passes let two timings agree (the dear one read 1/3)
+        assert len(fresh._one_seen) >= CHECK_PASSES
+        assert float(np.median(fresh._one_seen)) > 0.5
         pair.costs = (_scaled(again, 3.0), None)  # once per pair: never again
         dear = pair.engine(spec)
         replies(dear)
