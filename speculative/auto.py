@@ -11,21 +11,32 @@ does (a steep cost curve), the step verifies the root alone, and counts as its k
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
-fastest runs. The others are explored again after ``EXPLORE_EVERY`` steps (the wait doubles
-while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet measured is
-tried first. The
+fastest runs. The other drafted kinds are explored again after ``EXPLORE_EVERY`` steps (the
+wait doubles while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet
+measured is tried first; the target alone, once measured, is not run to be measured again (it is
+timed in every drafted step's place, below). An exploration runs ``TRIAL_STEPS`` steps in a
+row (while the budget below allows): one step is a noisy sample of the text as it is now, and
+the draft pays its catching up once per exploration, not per step. What a kind measured before
+it sat idle has aged by the steps it sat out (the text has moved on since): a kind timed on
+the first steps of a reply, where every new batch shape builds a graph, would otherwise keep
+that slow measurement against a few explorations, and lose to a kind measured since. The
 draft's catching up on text it skipped while other kinds ran is left out of the draft's
 measured speed (a cost of switching, not of the kind: a kind explored one step at a time
 would pay it at every step) and priced where switching is decided: the kind that has been
 running stays the fastest against one that must catch up until the measured difference, over
-the steps the new kind would run, repays the catching up (two kinds about as fast would
-otherwise alternate and pay it at every switch). It is counted in the regret below.
+the steps the new kind would run, repays the catching up, and against any kind until it
+leads by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other
+as its alternative (two kinds about as fast would otherwise alternate with the noise of their
+measurements and pay the catching up at every switch). It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
-the fastest would have taken for their tokens, may reach a share of the time spent (plus an
-allowance of ``START_STEPS`` plain steps' time for a fresh start); a kind other than the
-fastest runs only while regret is under budget. The share follows what speculation gains
+the fastest would have taken for their tokens, may reach what the time spent has earned (plus
+an allowance of ``START_STEPS`` plain steps' time for a fresh start); a kind other than the
+fastest runs only while regret is under budget. Each step earns a share of its seconds, the
+share of its moment (earned once, kept: a share applied to all the time spent would take back,
+when speculation stops paying, what was earned while it paid, and ``auto`` would stop
+exploring just when the text has changed). The share follows what speculation gains
 here: ``EXPLORE_SHARE`` where the fastest kind leads the target alone by ``FULL_SHARE_LEAD``
 or more, down to ``EXPLORE_FLOOR`` where nothing has beaten the target alone (a steep cost
 curve: every exploration there is a loss unless the text has changed, and exploring at the
@@ -88,6 +99,8 @@ FULL_SHARE_LEAD = 0.1  # the fastest kind's lead over the target alone that earn
 START_STEPS = 4        # plain steps' time a fresh planner may lose to exploring
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
+TRIAL_STEPS = 3  # steps in a row an exploration runs (the budget allowing)
+SWITCH_MARGIN = 0.03  # how much faster than the running kind another must be to take over
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
@@ -103,6 +116,12 @@ class Rate:
         if seconds > 0:
             self.mean.add(tokens / seconds, seconds)
         self.steps = self.mean.decay * self.steps + 1.0
+
+    def age(self, steps: int) -> None:
+        """Decay by ``steps`` steps of other kinds, as if each had been one of this kind's."""
+        k = self.mean.decay ** steps
+        self.mean.total, self.mean.weight, self.steps = (
+            self.mean.total * k, self.mean.weight * k, self.steps * k)
 
     @property
     def value(self) -> float:
@@ -143,6 +162,13 @@ class Paired:
         self.alt_tokens = d * self.alt_tokens + alt_tokens
         self.alt_seconds = d * self.alt_seconds + alt_seconds
         self.steps = d * self.steps + 1.0
+
+    def age(self, steps: int) -> None:
+        """Decay by ``steps`` steps in which this pair was not timed."""
+        k = self.decay ** steps
+        self.tokens, self.seconds, self.alt_tokens, self.alt_seconds, self.steps = (
+            self.tokens * k, self.seconds * k, self.alt_tokens * k, self.alt_seconds * k,
+            self.steps * k)
 
     @property
     def measured(self) -> bool:
@@ -213,8 +239,11 @@ class Planner:
         default_factory=lambda: _counts(EXPLORE_EVERY))
     greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
+    earned: float = 0.0   # the budget they earned: each step's seconds times its share
     regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
+    trial: StepKind | None = None  # the kind being explored, and its steps still to run
+    trial_left: int = 0
     # seconds a kind must spend catching up before its next step (``observe_catch_up``)
     catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
     # what was measured under the sampling not running now (or recalled, not yet running), by
@@ -247,7 +276,7 @@ class Planner:
         """Whether the regret so far leaves room to explore a step that may lose up to ``risk``
         seconds more (see the module docstring)."""
         plain = self.plain_seconds()
-        allowance = self.explore_share() * self.elapsed + START_STEPS * plain
+        allowance = self.earned + START_STEPS * plain
         return self.regret + risk < allowance
 
     def explore_share(self) -> float:
@@ -276,9 +305,10 @@ class Planner:
 
     def fastest(self, kinds: Sequence[StepKind]) -> StepKind | None:
         """The measured kind of ``kinds`` with the highest ``speed``, or None; but the kind
-        that has been running (``held``) stays the fastest against one that must catch up
-        first (the draft, on the text it skipped: ``catch_up``) until the switch pays: the
-        catching up costs its seconds at once, the speed difference gains only over the
+        that has been running (``held``) stays the fastest until another is faster by more
+        than ``SWITCH_MARGIN`` (compared on the same steps where they were: ``relative``)
+        and the switch pays: the catching up (the draft, on the text it skipped:
+        ``catch_up``) costs its seconds at once, the speed difference gains only over the
         steps the new kind then runs (``HOLD_STEPS`` at least, before anything is explored
         again). Two kinds about as fast would otherwise alternate with the noise of their
         measured speeds, and the draft would catch up at every switch."""
@@ -289,8 +319,22 @@ class Planner:
         held = self.held
         if held is None or held is top or held not in measured:
             return top
-        gain = (1.0 - self.speed(held) / self.speed(top)) * HOLD_STEPS * self.plain_seconds()
+        lead = self.relative(top, held)
+        if lead <= 1.0 + SWITCH_MARGIN:
+            return held
+        gain = (1.0 - 1.0 / lead) * HOLD_STEPS * self.plain_seconds()
         return top if gain > self.catch_up.get(top, 0.0) else held
+
+    def relative(self, a: StepKind, b: StepKind) -> float:
+        """How much faster ``a`` is than ``b``: timed on the same steps where one ran with the
+        other as its alternative (the text's difficulty cancels), else by their ``speed``."""
+        pair = self.pairs.get((a, b))
+        if pair is not None and pair.measured:
+            return pair.advantage
+        pair = self.pairs.get((b, a))
+        if pair is not None and pair.measured:
+            return 1.0 / pair.advantage
+        return self.speed(a) / self.speed(b)
 
     def choose(self, kinds: Sequence[StepKind],
                risks: Mapping[StepKind, float] | None = None) -> StepKind:
@@ -301,10 +345,17 @@ class Planner:
         budget is counted against: measuring it never needs the budget (a kind that loses to
         it must not keep it from being measured)."""
         best = self.fastest(kinds)
+        trial = self.trial
+        if (self.trial_left > 0 and trial in kinds and trial is not best
+                and self.within_budget()):
+            return trial  # an exploration under way (its catching up paid)
         for kind in kinds:
             if kind is best:
                 continue
-            due = not self.rates[kind].measured or self.idle[kind] + 1 >= self.every[kind]
+            # the target alone, once measured, is timed in every drafted step's place
+            # (``counterfactuals``): running it again tells nothing new
+            due = not self.rates[kind].measured or (
+                kind is not StepKind.ROOT and self.idle[kind] + 1 >= self.every[kind])
             risk = (risks or {}).get(kind, 0.0)
             if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)):
                 return kind
@@ -328,6 +379,7 @@ class Planner:
             self.stashed[_sampling(self.greedy)] = (self._measures(), math.inf)
             self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
             self.pairs, self.held = {}, None
+            self.trial, self.trial_left = None, 0
         self.greedy = greedy
         stashed = self.stashed.pop(_sampling(greedy), None)
         if stashed is not None:
@@ -393,26 +445,37 @@ class Planner:
         spent catching up after other kinds ran (left out of the kind's rate);
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
         best = self.fastest(list(StepKind))
-        if best is not None and kind is not best:  # an exploration: what it lost (or won)
+        exploring = best is not None and kind is not best
+        if exploring:  # what it lost (or won)
             self.regret += seconds - tokens * self.best_seconds(best)
         self.elapsed += seconds
+        self.earned += self.explore_share() * seconds
         ran = max(seconds - switch, 1e-9)
+        idle = self.idle[kind]
+        self.rates[kind].age(idle)
         self.rates[kind].add(tokens, ran)
         for alt, alt_tokens, alt_seconds in alternatives:
             # catching up left out here too: a kind explored one step at a time would pay it
             # at every step and never look as fast as it runs; switching is priced where it
             # is decided (``fastest`` holds the running kind until a switch pays)
-            self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
-                                                             alt_seconds)
+            paired = self.pairs.setdefault((kind, alt), Paired())
+            paired.age(idle)
+            paired.add(tokens, ran, alt_tokens, alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
                 self.pairs.setdefault((alt_a[0], alt_b[0]), Paired()).add(*alt_a[1:], *alt_b[1:])
         for k in StepKind:
             self.idle[k] = 0 if k is kind else self.idle[k] + 1
-        if best is not None and kind is not best and self.rates[kind].measured:
-            # an exploration: wait longer before the next while this kind loses
-            lost = self.speed(kind) < self.speed(best)
-            self.every[kind] = _backoff(self.every[kind], lost)
+        if not exploring:
+            self.trial, self.trial_left = None, 0
+        else:
+            if kind is not self.trial:  # an exploration starts
+                self.trial, self.trial_left = kind, TRIAL_STEPS
+            self.trial_left -= 1
+            if self.trial_left == 0 and self.rates[kind].measured:
+                # an exploration done: wait longer before the next while this kind loses
+                lost = self.speed(kind) < self.speed(best)
+                self.every[kind] = _backoff(self.every[kind], lost)
         self.held = self.fastest(list(StepKind))
 
     def observe_catch_up(self, seconds: Mapping[StepKind, float]) -> None:
