@@ -25,8 +25,12 @@ What is measured, and how it stays fair:
 - **Peers** (``--peers``): llama-cpp-python's own speculative path (``LlamaPromptLookupDecoding``)
   and plain path on the same target, each in a process of its own (``app.tools.peer``: a peer that
   crashes is reported, and the benchmark goes on), and with ``--native``, llama.cpp's C++
-  ``llama-bench`` and ``llama-speculative`` on the same files (built on demand:
-  ``app/tools/native.py``). What cannot run is reported with the reason.
+  ``llama-bench`` on the same target (built on demand: ``app/tools/native.py``). What cannot
+  run is reported with the reason.
+- **Native speculation** (``--native``): llama.cpp's ``llama-speculative`` (a chain of at most
+  ``NATIVE_DRAFTS`` tokens a step) runs in each cell beside the modes, on the same prompts,
+  in the same rotation, with the same sampler chain and repetition control
+  (``native.sampler_args``), so its speedup is over the same ``plain`` repeats as ours.
 """
 
 from __future__ import annotations
@@ -43,6 +47,13 @@ from typing import Any, TextIO
 
 from app.prompting import describe_sampler
 from app.tools import peer
+from app.tools.native import (
+    NativeResult,
+    NativeUnavailable,
+    native_tools,
+    run_native_bench,
+    run_native_speculative,
+)
 from speculative.backend import ContextConfig, default_threads, system_info
 from speculative.costmodel import VerifyCost
 from speculative.divergence import explain
@@ -58,6 +69,7 @@ from speculative.stats import RunStats
 ASSETS = Path(__file__).resolve().parents[2] / "assets"
 PROMPT_SETS = {"code": ASSETS / "bench_prompts.txt", "chat": ASSETS / "chat_prompts.txt"}
 SAMPLED = SamplingParams(temperature=1.0, top_k=50)  # the sampled setting the results report
+NATIVE_DRAFTS = (4, 8)  # llama-speculative's draft lengths (--spec-draft-n-max) to run
 PENALISED = "+penalties"  # a cell's sampling with repetition control on
 
 
@@ -99,6 +111,27 @@ class Cell:
     texts: dict[str, list[str]] = dataclasses.field(default_factory=dict)
     prompts: list[list[int]] = dataclasses.field(default_factory=list)  # tokens, by prompt
     params: SamplingParams = dataclasses.field(default_factory=SamplingParams)
+    # llama-speculative by draft length: repeat -> prompt results (empty where it did not run)
+    native: dict[int, list[list[NativeResult]]] = dataclasses.field(default_factory=dict)
+    native_unavailable: str | None = None
+
+
+@dataclasses.dataclass(frozen=True, slots=True)
+class Native:
+    """How to run llama-speculative on the bench's models (``--native``)."""
+
+    target: Path
+    draft: Path
+    threads: int
+    ctx: int
+    flash_attn: bool
+    tools: dict[str, Path]  # ``native_tools()``
+
+    def run(self, prompt: str, n: int, draft_max: int, params: SamplingParams
+            ) -> NativeResult:
+        return run_native_speculative(self.target, self.draft, prompt, n, self.threads,
+                                      draft_max, ctx=self.ctx, flash_attn=self.flash_attn,
+                                      sampling=params, tools=self.tools)
 
 
 def _prompt_sets(arg: str) -> dict[str, list[str]]:
@@ -143,15 +176,23 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         report["cost_ms"] = {"target": _ms(cost[0]), "draft": _ms(cost[1]) if cost[1] else None}
         report["cost_context"] = {"target": _context(cost[0]),
                                   "draft": _context(cost[1]) if cost[1] else None}
+        native = None
+        if args.native and draft is not None:
+            try:
+                tools = native_tools(progress=lambda msg: print(msg, file=sys.stderr))
+                native = Native(target, draft, config.n_threads or default_threads(),
+                                pair.target_ctx.n_ctx, bool(config.flash_attn), tools)
+            except NativeUnavailable as exc:
+                report["native_unavailable"] = str(exc)
         progress = Progress(sum(len(p) for p in sets.values()) * len(chosen) * args.repeats
-                            * (len(modes) + 2))
+                            * (len(modes) + 2 + (len(NATIVE_DRAFTS) if native else 0)))
         for sampling in chosen:
             for set_name, prompts in sets.items():
                 cell = _run_cell(args, pair, spec, modes, sampling,
-                                 samplings[sampling], set_name, prompts, progress)
+                                 samplings[sampling], set_name, prompts, progress, native)
                 report["cells"].append(summarize(cell, pair))
         if args.peers or args.native:
-            report["peers"] = run_peers(args, pair, target, draft, sets, config)
+            report["peers"] = run_peers(args, pair, target, sets, config)
     progress.done()
     if args.json:
         json.dump(report, out, indent=2)
@@ -188,12 +229,15 @@ def _check_curve(pair: ModelPair, spec: SpecConfig, text: str) -> bool:
 def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
               modes: list[Mode], sampling: str,
               params: SamplingParams, set_name: str, prompts: list[str],
-              progress: Progress) -> Cell:
+              progress: Progress, native: Native | None = None) -> Cell:
     vocab = pair.target.vocab
     greedy = params.greedy
     order = [Mode.PLAIN, *modes] + ([Mode.ORACLE] if greedy and not args.no_ceiling else [])
     cell = Cell(sampling, set_name, {m.value: [] for m in order},
                 {m.value: [] for m in order}, params=params)
+    # llama-speculative's runs (by draft length) take their turns in the rotation too
+    lineup: list[Mode | int] = [*order, *(NATIVE_DRAFTS if native else ())]
+    cell.native = {n: [] for n in NATIVE_DRAFTS} if native else {}
     tokens = cell.prompts = [vocab.tokenize(p) for p in prompts]
     answers: dict[int, list[int]] = {}
     # what each mode's engine learned (auto's planner, the drafters' calibrations) lives across
@@ -210,15 +254,22 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
         for m in order:
             cell.runs[m.value].append([])
             cell.outputs[m.value].append([])
+        for results in cell.native.values():
+            results.append([])
         for i, prompt in enumerate(tokens):
-            rotation = (r * len(tokens) + i) % len(order)
+            rotation = (r * len(tokens) + i) % len(lineup)
             # plain first when the oracle needs its answer; the rest rotate
-            ordered = order[rotation:] + order[:rotation]
+            ordered = lineup[rotation:] + lineup[:rotation]
             if Mode.ORACLE in ordered:
                 ordered.remove(Mode.PLAIN)
                 ordered.insert(0, Mode.PLAIN)
             for m in ordered:
                 seeded = dataclasses.replace(params, seed=1000 * r + i) if not greedy else params
+                if isinstance(m, int):
+                    progress.tick(f"{sampling} {set_name} repeat {r + 1} prompt {i + 1}: "
+                                  f"llama-speculative {m}")
+                    _one_native(cell, native, prompts[i], args.max_tokens, m, seeded, r)
+                    continue
                 progress.tick(f"{sampling} {set_name} repeat {r + 1} prompt {i + 1}: {m.value}")
                 out, run = _one(pair, spec, m, prompt, args.max_tokens,
                                 seeded, answers.get(i), learned)
@@ -228,6 +279,18 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
                 cell.outputs[m.value][r].append(out)
     cell.texts = {m: [vocab.detokenize(t) for t in outs[0]] for m, outs in cell.outputs.items()}
     return cell
+
+
+def _one_native(cell: Cell, native: Native | None, prompt: str, n: int, draft_max: int,
+                params: SamplingParams, repeat: int) -> None:
+    """One llama-speculative run into ``cell``; where it cannot run, the cell says why and
+    runs it no more."""
+    if native is None or cell.native_unavailable is not None:
+        return
+    try:
+        cell.native[draft_max][repeat].append(native.run(prompt, n, draft_max, params))
+    except NativeUnavailable as exc:
+        cell.native_unavailable = str(exc)
 
 
 def _one(pair: ModelPair, spec: SpecConfig, mode: Mode,
@@ -295,8 +358,47 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
     ceiling = modes.get("oracle", {}).get("speedup")
     for s in modes.values():
         s["ceiling_share"] = s["speedup"] / ceiling if ceiling else None
-    return {"sampling": cell.sampling, "prompts": cell.prompt_set, "modes": modes,
-            "sample_text": {m: t[0][:160] for m, t in cell.texts.items() if t}}
+    out = {"sampling": cell.sampling, "prompts": cell.prompt_set, "modes": modes,
+           "sample_text": {m: t[0][:160] for m, t in cell.texts.items() if t}}
+    native = _summarize_native(cell, plain_speed, pair)
+    if native or cell.native_unavailable:
+        out["native"] = native
+    if cell.native_unavailable:
+        out["native_unavailable"] = cell.native_unavailable
+    return out
+
+
+def _summarize_native(cell: Cell, plain_speed: list[float], pair: ModelPair
+                      ) -> dict[str, Any]:
+    """llama-speculative's figures in a cell, by draft length: its own decoding speed (tokens
+    over decoding time, prompt excluded, as ours), pooled over the prompts of a repeat, over
+    ``plain``'s in the same repeat."""
+    from models.evaluate import judge
+
+    vocab = pair.target.vocab
+    out: dict[str, Any] = {}
+    for draft_max, repeats in cell.native.items():
+        if not repeats or any(len(rs) != len(cell.prompts) for rs in repeats):
+            continue  # it stopped running: no pooled figure
+        speeds = [sum(x.tokens for x in rs) / max(sum(x.seconds for x in rs), 1e-9)
+                  for rs in repeats]
+        ups = [s / b if b else 0.0 for s, b in zip(speeds, plain_speed, strict=True)]
+        drafted = sum(x.n_drafted or 0 for rs in repeats for x in rs)
+        accepted = sum(x.n_accept or 0 for rs in repeats for x in rs)
+        tokens = sum(x.tokens for rs in repeats for x in rs)
+        # each of its steps is one target pass emitting the accepted tokens and one more
+        passes = max(tokens - accepted, 1)
+        degenerate = sum(judge("", vocab.tokenize(x.text or ""), x.text or "").degenerate
+                         is not None for x in repeats[0])
+        out[f"llama-speculative {draft_max}"] = {
+            "draft_max": draft_max,
+            "tokens_per_second": statistics.median(speeds),
+            "speedup": statistics.median(ups), "speedup_range": [min(ups), max(ups)],
+            "accept": accepted / drafted if drafted else None,
+            "tau": tokens / passes, "mean_drafted": drafted / passes,
+            "degenerate_outputs": f"{degenerate}/{len(repeats[0])}",
+            "sample_text": (repeats[0][0].text or "")[:160]}
+    return out
 
 
 def _pooled(runs: list[RunStats]) -> RunStats:
@@ -309,16 +411,11 @@ def _pooled(runs: list[RunStats]) -> RunStats:
 PEERS = (("llama-cpp-python plain", 0), ("llama-cpp-python prompt lookup (10)", 10))
 
 
-def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Path | None,
+def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path,
               sets: dict[str, list[str]], config: ContextConfig) -> dict[str, Any]:
-    """Other implementations on the same target, greedy: tokens/s, and what could not run."""
-    from app.tools.native import (
-        NativeUnavailable,
-        native_tools,
-        run_native_bench,
-        run_native_speculative,
-    )
-
+    """llama-cpp-python's plain and prompt-lookup paths and llama.cpp's ``llama-bench`` on the
+    same target, greedy: tokens/s, and what could not run (``llama-speculative`` runs in the
+    cells, beside the modes)."""
     vocab = pair.target.vocab
     threads = config.n_threads or default_threads()
     prompts = [p for ps in sets.values() for p in ps][:4]
@@ -340,23 +437,9 @@ def run_peers(args: argparse.Namespace, pair: ModelPair, target: Path, draft: Pa
             peers[name] = {"tokens_per_second": result["tokens"] / seconds if seconds else 0.0}
     if args.native:
         try:
-            native_tools(progress=lambda msg: print(msg, file=sys.stderr))
+            tools = native_tools(progress=lambda msg: print(msg, file=sys.stderr))
             peers["llama.cpp llama-bench"] = {"tokens_per_second": run_native_bench(
-                target, args.max_tokens, threads, flash).tokens_per_second}
-            if draft is not None:
-                for n_max in (4, 8):
-                    # the peers' prompts, one run each, pooled (a single prompt's speed says
-                    # more about how predictable that text is than about the implementation)
-                    runs = [run_native_speculative(target, draft, prompt, args.max_tokens,
-                                                   threads, n_max, ctx=pair.target_ctx.n_ctx,
-                                                   flash_attn=flash) for prompt in prompts]
-                    seconds = sum(r.seconds for r in runs)
-                    drafted = sum(r.n_drafted or 0 for r in runs)
-                    peers[f"llama.cpp llama-speculative (draft max {n_max})"] = {
-                        "tokens_per_second": sum(r.tokens for r in runs) / seconds
-                        if seconds else 0.0,
-                        "accept": sum(r.n_accept or 0 for r in runs) / drafted
-                        if drafted else None}
+                target, args.max_tokens, threads, flash, tools=tools).tokens_per_second}
         except NativeUnavailable as exc:
             peers["llama.cpp"] = {"unavailable": str(exc)}
     return peers
@@ -462,6 +545,15 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                          f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}"
                          f"{s['draft_ms_per_accepted']:>8.1f}  "
                          f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
+        for s in (cell.get("native") or {}).values():
+            lo, hi = s["speedup_range"]
+            accept = f"accepts {s['accept']:.0%}" if s["accept"] is not None else ""
+            lines.append(f"{'native ' + str(s['draft_max']):<8}{s['tokens_per_second']:>9.1f}"
+                         f"{s['speedup']:>8.2f}x{lo:>6.2f}-{hi:<5.2f}{'-':>7}{'-':>9}"
+                         f"{s['tau']:>6.2f}{s['mean_drafted']:>6.1f}  {accept:<27}"
+                         f"{s['degenerate_outputs']}")
+        if cell.get("native_unavailable"):
+            lines.append(f"native: could not run: {cell['native_unavailable']}")
         bad = {m: s["degenerate_outputs"] for m, s in cell["modes"].items()
                if not s["degenerate_outputs"].startswith("0/")}
         if bad:
@@ -471,6 +563,8 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                          "plain wrote: " + json.dumps(cell["sample_text"].get("plain", "")[:80]))
     lines += _penalty_cost(report)
     peers = report.get("peers")
+    if report.get("native_unavailable"):
+        lines += ["", f"llama-speculative could not run: {report['native_unavailable']}"]
     if peers:
         lines.append("")
         lines.append("peers (greedy, same target):")
@@ -533,6 +627,14 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
                          f"{s['mean_drafted']:.1f} | {s['draft_calls_per_step']:.2f} | "
                          f"{s['draft_ms_per_accepted']:.1f} | "
                          f"{s['identical'] or '-'} | {s['degenerate_outputs']} |")
+        for name, s in (cell.get("native") or {}).items():
+            lo, hi = s["speedup_range"]
+            lines.append(f"| {name} | {s['tokens_per_second']:.1f} | {s['speedup']:.2f}x "
+                         f"({lo:.2f}-{hi:.2f}) | - | - | {s['tau']:.2f} | "
+                         f"{s['mean_drafted']:.1f} | - | - | - | {s['degenerate_outputs']} |")
+        if cell.get("native_unavailable"):
+            lines.append(f"| llama-speculative | could not run: {cell['native_unavailable']} "
+                         "|||||||||| ")
         lines.append("")
     for name, p in report.get("peers", {}).items():
         what = (f"could not run: {p['unavailable']}" if "unavailable" in p

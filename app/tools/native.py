@@ -35,6 +35,8 @@ from importlib.metadata import version as package_version
 from pathlib import Path
 from typing import Any
 
+from speculative.sampling import SamplingParams
+
 log = logging.getLogger(__name__)
 
 PACKAGE = "llama-cpp-python"
@@ -266,23 +268,23 @@ def has_amx(cpuinfo: Path = Path("/proc/cpuinfo")) -> bool:
 def run_native_speculative(target: Path, draft: Path, prompt: str, n_predict: int, threads: int,
                            draft_max: int, *, ctx: int = 0, batch: int | None = None,
                            flash_attn: bool | None = None, parallel: int = 1,
+                           sampling: SamplingParams | None = None,
                            tools: dict[str, Path] | None = None,
                            timeout: float | None = None,
                            env: Mapping[str, str] | None = None) -> NativeResult:
-    """Greedy speculative decoding by llama.cpp's ``llama-speculative``.
+    """Speculative decoding by llama.cpp's ``llama-speculative``.
 
     ``draft_max`` is ``--spec-draft-n-max`` (draft tokens per step); ``parallel`` > 1 lets it
     split the draft into a tree of that many branches (``-np``). ``flash_attn`` None leaves
     llama.cpp's default (auto: on for CPU). ``ctx`` 0 is llama.cpp's "the model's trained
     context", which is also what our engine shrinks a larger window to; the draft gets the same.
+    ``sampling``: the sampler chain as ours (``sampler_args``); None is greedy, no penalties.
     """
     exe = (tools or native_tools())["llama-speculative"]
     cmd = [str(exe), "-m", str(target), "-md", str(draft), "-p", prompt, "-n", str(n_predict),
            "-c", str(ctx), "-t", str(threads), "-td", str(threads), "-tb", str(threads),
            "-tbd", str(threads), "--spec-draft-n-max", str(draft_max), "-np", str(parallel),
-           # greedy: temperature 0 verifies by equality with the target's argmax, and a
-           # top-k 1 sampler chain makes every sampled token the argmax
-           "--temp", "0", "--sampling-seq", "k", "--top-k", "1", "-s", "0", "--color", "off"]
+           *sampler_args(sampling or SamplingParams()), "--color", "off"]
     if batch is not None:
         cmd += ["-b", str(batch), "-ub", str(batch)]
     if flash_attn is not None:
@@ -291,6 +293,42 @@ def run_native_speculative(target: Path, draft: Path, prompt: str, n_predict: in
         cmd.append("-nr")  # Q8_0 would crash in the AMX kernels of the repacked buffers
     out, err = run_tool(cmd, timeout, env)
     return parse_speculative(out, err, prompt, shell_form(cmd, env))
+
+
+def sampler_args(p: SamplingParams) -> list[str]:
+    """llama.cpp's sampler options for our chain ``p``, in our order (``SamplingParams``):
+    penalties (``e``), DRY (``d``), min-p (``m``), temperature (``t``), top-k (``k``), top-p
+    (``p``). Greedy is temperature 0 and a top-k of 1, so every sampled token is the argmax
+    of the penalised logits, and llama-speculative verifies by equality. What differs by
+    design: llama-speculative's penalties and DRY see the tokens it generated, not the prompt
+    (it never passes the prompt to its sampler); ours see the whole text."""
+    seq, args = "", []
+    if p.repeat_last_n > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
+                                or p.frequency_penalty != 0.0):
+        seq += "e"
+        args += ["--repeat-penalty", f"{p.repeat_penalty:g}", "--repeat-last-n",
+                 str(p.repeat_last_n), "--presence-penalty", f"{p.presence_penalty:g}",
+                 "--frequency-penalty", f"{p.frequency_penalty:g}"]
+    if p.dry_multiplier > 0.0:
+        seq += "d"
+        args += ["--dry-multiplier", f"{p.dry_multiplier:g}", "--dry-base", f"{p.dry_base:g}",
+                 "--dry-allowed-length", str(p.dry_allowed_length)]
+        if p.dry_last_n:  # ours 0 is the whole text: llama.cpp's default (-1, the context)
+            args += ["--dry-penalty-last-n", str(p.dry_last_n)]
+        for breaker in p.dry_breakers or ("none",):
+            args += ["--dry-sequence-breaker", breaker]
+    if p.greedy:
+        return [*args, "--sampling-seq", seq + "k", "--top-k", "1", "--temp", "0", "-s", "0"]
+    if p.min_p > 0.0:
+        seq += "m"
+        args += ["--min-p", f"{p.min_p:g}"]
+    seq += "tk"
+    args += ["--temp", f"{p.temperature:g}", "--top-k", str(p.top_k)]
+    if p.top_p < 1.0:
+        seq += "p"
+        args += ["--top-p", f"{p.top_p:g}"]
+    seed = p.seed if p.seed is not None else 0
+    return [*args, "--sampling-seq", seq, "-s", str(seed)]
 
 
 def run_native_bench(model: Path, n_gen: int, threads: int, flash_attn: bool, *,

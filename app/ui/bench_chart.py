@@ -1,7 +1,8 @@
 """The benchmark's chart, drawn like a figure in a paper: one panel per sampling (greedy and
 sampled side by side) and prompt set, each mode's median speedup over plain decoding as a bar
-with its spread over the repeats, a line at 1.00x (plain), the oracle's ceiling marked, round
-axis ticks, figures to two decimals. Painted with QPainter offscreen, so ``staged-chat bench``
+with its spread over the repeats (llama.cpp's own ``llama-speculative``, where the bench ran
+it, in another colour), a line at 1.00x (plain), the oracle's ceiling marked, round axis ticks,
+figures to two decimals. Painted with QPainter offscreen, so ``staged-chat bench``
 needs Qt only when ``--chart`` is asked for."""
 
 from __future__ import annotations
@@ -21,6 +22,7 @@ BAR = QColor("#4c72b0")
 SPREAD = QColor("#222222")
 PLAIN = QColor("#888888")
 CEILING = QColor("#c44e52")
+NATIVE = QColor("#8c8c8c")
 ROW, PANEL_W, LABEL_W, MARGIN = 26, 380, 70, 16
 
 
@@ -40,6 +42,14 @@ def column_order(samplings: list[str]) -> list[str]:
     return sorted(dict.fromkeys(samplings), key=lambda s: not s.startswith("greedy"))
 
 
+def bars(cell: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """A cell's bars by label: our modes but plain and the oracle (plain is the line at 1.00x,
+    the oracle the ceiling), then llama-speculative by draft length."""
+    out = {m: s for m, s in cell["modes"].items() if m not in ("plain", "oracle")}
+    out.update({f"native {s['draft_max']}": s for s in (cell.get("native") or {}).values()})
+    return out
+
+
 def speedup_label(x: float) -> str:
     return f"{x:.2f}\u00d7"
 
@@ -50,9 +60,9 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
     cells = report["cells"]
     columns = column_order([c["sampling"] for c in cells])
     rows = list(dict.fromkeys(c["prompts"] for c in cells))
-    modes = [m for c in cells for m in c["modes"] if m not in ("plain", "oracle")]
-    modes = list(dict.fromkeys(modes))
-    top = max([s["speedup_range"][1] for c in cells for s in c["modes"].values()] + [1.0])
+    modes = list(dict.fromkeys(m for c in cells for m in bars(c)))
+    top = max([s["speedup_range"][1] for c in cells for s in c["modes"].values()]
+              + [s["speedup_range"][1] for c in cells for s in bars(c).values()] + [1.0])
     ticks = nice_ticks(top)
     panel_h = ROW * len(modes) + 66
     title_h = 72
@@ -113,15 +123,17 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
                    Qt.AlignmentFlag.AlignHCenter, f"{v:g}")
     p.setPen(QPen(PLAIN, 1.5))  # the line at plain decoding's speed, under bars and figures
     p.drawLine(QPointF(x_of(1.0), plot.top() - 2), QPointF(x_of(1.0), plot.bottom()))
+    shown = bars(cell)
     for i, mode in enumerate(modes):
-        s = cell["modes"].get(mode)
+        s = shown.get(mode)
         y = plot.top() + 4 + i * ROW
         p.setPen(QColor("black"))
         p.drawText(QRectF(box.left() - LABEL_W, y, LABEL_W - 6, ROW - 6),
                    Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, mode)
         if s is None:
             continue
-        p.fillRect(QRectF(plot.left(), y + 3, x_of(s["speedup"]) - plot.left(), ROW - 12), BAR)
+        p.fillRect(QRectF(plot.left(), y + 3, x_of(s["speedup"]) - plot.left(), ROW - 12),
+                   NATIVE if "draft_max" in s else BAR)
         lo, hi = s["speedup_range"]
         mid = y + (ROW - 6) / 2
         p.setPen(QPen(SPREAD, 1.2))

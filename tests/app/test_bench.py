@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import json
 import re
 import sys
@@ -94,6 +95,98 @@ def test_a_peer_that_crashes_is_reported_and_the_bench_goes_on(tiny_models, tmp_
     assert ("llama-cpp-python prompt lookup (10): could not run: peer failed on this host: "
             "killed by SIGSEGV: in ggml_backend_amx_mul_mat") in out
     assert re.search(r"^ngram +[0-9.]+ +[0-9.]+x", out, re.M)
+
+
+def fake_speculative(folder, code: int = 0):
+    """A stand-in for llama-speculative (building the real one takes minutes): it logs its
+    arguments, one JSON line per run, and prints what the real one prints for 20 tokens in
+    0.5 s, 16 drafted and 12 accepted, after echoing the prompt."""
+    script = folder / "llama-speculative"
+    log = folder / "runs.jsonl"
+    script.write_text(
+        f"#!{sys.executable}\nimport json, sys\n"
+        f"open({str(log)!r}, 'a').write(json.dumps(sys.argv[1:]) + '\\n')\n"
+        f"if {code}:\n    sys.stderr.write('error: failed to load model\\n'); sys.exit({code})\n"
+        "prompt = sys.argv[sys.argv.index('-p') + 1]\n"
+        "sys.stdout.write('\\n\\n' + prompt + ' x = 1' * 10 + '\\n\\n\\n\\n')\n"
+        "sys.stderr.write('decoded   20 tokens in    0.500 seconds, speed:   40.000 t/s\\n'\n"
+        "                 'n_draft   = 4\\nn_predict = 20\\nn_drafted = 16\\n'\n"
+        "                 'n_accept  = 12\\naccept    = 75.000%\\n')\n")
+    script.chmod(0o755)
+    return script, log
+
+
+def test_native_speculation_runs_beside_the_modes_with_the_same_sampler(
+        tiny_models, tmp_path, capsys, monkeypatch) -> None:
+    """llama-speculative takes its turns in each cell's rotation, on every prompt and repeat,
+    with the cell's sampler chain and repetition control; its speedup is over the same
+    repeats' plain decoding."""
+    from app.tools import bench
+
+    tool, log = fake_speculative(tmp_path)
+    monkeypatch.setattr(bench, "native_tools", lambda progress=None: {
+        "llama-speculative": tool, "llama-bench": tmp_path / "no-llama-bench"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n---\nclass Point:\n")
+    assert main(["bench", "--target", str(tiny_models["q8_0-target"]),
+                 "--draft", str(tiny_models["q8_0-draft"]), "--prompts", str(prompts),
+                 "-n", "8", "--ctx", "256", "--threads", "1", "--mode", "tree",
+                 "--sampling", "both", "--penalties", "on", "--repeat-penalty", "1.05",
+                 "--repeats", "2", "--no-ceiling", "--native", "--json"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    runs = [json.loads(line) for line in log.read_text().splitlines()]
+    # 2 cells x 2 repeats x 2 prompts x 2 draft lengths
+    assert len(runs) == 16
+    options = [dict(itertools.pairwise(a)) for a in runs]  # each argument -> the next
+    greedy = [o for o in options if o["--temp"] == "0"]
+    sampled = [o for o in options if o["--temp"] == "1"]
+    assert len(greedy) == len(sampled) == 8
+    for opts in greedy:  # the repetition penalty given, the format's DRY, then the argmax
+        assert (opts["--sampling-seq"], opts["--top-k"]) == ("edk", "1")
+        assert opts["--repeat-penalty"] == "1.05" and opts["--repeat-last-n"] == "64"
+        assert opts["--dry-multiplier"] == "0.8" and opts["-c"] == "256" and opts["-n"] == "8"
+    breakers = [b for a, b in itertools.pairwise(runs[0]) if a == "--dry-sequence-breaker"]
+    assert breakers == ["\n", ":", "\"", "*"]
+    for opts in sampled:  # min-p, then temperature 1 and top-k 50, seeded like our runs
+        assert (opts["--sampling-seq"], opts["--top-k"]) == ("edmtk", "50")
+    assert sorted(o["-s"] for o in sampled) == sorted(
+        str(1000 * r + i) for r in range(2) for i in range(2) for _ in range(2))
+    assert sorted({o["-p"] for o in greedy}) == ["class Point:\n", "def add(a, b):\n"]
+    for cell in report["cells"]:
+        slow, fast = cell["modes"]["plain"]["tokens_per_second_range"]
+        assert set(cell["native"]) == {"llama-speculative 4", "llama-speculative 8"}
+        for s in cell["native"].values():
+            assert s["tokens_per_second"] == pytest.approx(40.0)
+            lo, hi = s["speedup_range"]  # over plain's speed in the same repeat
+            assert (lo, hi) == (pytest.approx(40.0 / fast), pytest.approx(40.0 / slow))
+            assert lo <= s["speedup"] <= hi
+            assert s["accept"] == 0.75 and s["tau"] == pytest.approx(20 / 8)
+            assert s["degenerate_outputs"] == "2/2"  # ' x = 1' ten times is a loop
+    chart = tmp_path / "chart.png"
+    from app.ui.bench_chart import bars, save_chart
+
+    assert "native 4" in bars(report["cells"][0])
+    assert save_chart(report, chart).stat().st_size > 1000
+
+
+def test_native_speculation_that_cannot_run_is_reported_once(tiny_models, tmp_path, capsys,
+                                                             monkeypatch) -> None:
+    from app.tools import bench
+
+    tool, log = fake_speculative(tmp_path, code=1)
+    monkeypatch.setattr(bench, "native_tools", lambda progress=None: {
+        "llama-speculative": tool, "llama-bench": tmp_path / "no-llama-bench"})
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("x = 1\n---\ny = 2\n")
+    assert main(["bench", "--target", str(tiny_models["q8_0-target"]),
+                 "--draft", str(tiny_models["q8_0-draft"]), "--prompts", str(prompts),
+                 "-n", "8", "--ctx", "256", "--threads", "1", "--mode", "tree",
+                 "--repeats", "1", "--no-ceiling", "--native"]) == 0
+    out = capsys.readouterr().out
+    assert len(log.read_text().splitlines()) == 1  # not tried again in the cell
+    assert "native: could not run: llama-speculative failed (exit 1)" in out
+    assert "error: failed to load model" in out
+    assert re.search(r"^tree +[0-9.]+ +[0-9.]+x", out, re.M)
 
 
 def test_bench_markdown_table(tiny_models, tmp_path, capsys) -> None:

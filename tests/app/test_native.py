@@ -354,3 +354,23 @@ def test_cli_reports_unavailable(monkeypatch: pytest.MonkeyPatch,
 def test_module_never_imports_llama_cpp() -> None:
     source = Path(native.__file__).read_text()
     assert "import llama_cpp" not in source and "from llama_cpp" not in source
+
+
+def test_sampler_args_follow_our_chain() -> None:
+    from speculative.sampling import SamplingParams
+
+    assert native.sampler_args(SamplingParams()) == [
+        "--sampling-seq", "k", "--top-k", "1", "--temp", "0", "-s", "0"]
+    args = native.sampler_args(SamplingParams(
+        temperature=0.7, top_k=40, top_p=0.9, min_p=0.05, seed=7, presence_penalty=0.5,
+        dry_multiplier=0.8, dry_last_n=128, dry_breakers=("\n",)))
+    opts = dict(itertools.pairwise(args))
+    assert opts["--sampling-seq"] == "edmtkp"  # penalties, DRY, min-p, temp, top-k, top-p
+    assert (opts["--temp"], opts["--top-k"], opts["--top-p"], opts["--min-p"]) == (
+        "0.7", "40", "0.9", "0.05")
+    assert (opts["--presence-penalty"], opts["--repeat-penalty"]) == ("0.5", "1")
+    assert (opts["--dry-penalty-last-n"], opts["--dry-sequence-breaker"], opts["-s"]) == (
+        "128", "\n", "7")
+    none = native.sampler_args(SamplingParams(dry_multiplier=0.8, dry_breakers=()))
+    assert none[none.index("--dry-sequence-breaker") + 1] == "none"
+    assert "--dry-penalty-last-n" not in none  # ours 0 is the whole text: llama.cpp's default
