@@ -28,9 +28,12 @@ What is measured, and how it stays fair:
   ``llama-bench`` on the same target (built on demand: ``app/tools/native.py``). What cannot
   run is reported with the reason.
 - **Native speculation** (``--native``): llama.cpp's ``llama-speculative`` (a chain of at most
-  ``NATIVE_DRAFTS`` tokens a step) runs in each cell beside the modes, on the same prompts,
-  in the same rotation, with the same sampler chain and repetition control
-  (``native.sampler_args``), so its speedup is over the same ``plain`` repeats as ours.
+  ``NATIVE_DRAFTS`` tokens a step) runs in each greedy cell beside the modes, on the same
+  prompts, in the same rotation, with the same repetition control (``native.sampler_args``),
+  so its speedup is over the same ``plain`` repeats as ours. Not when sampling: there it
+  proposes the draft's most likely token and accepts it with probability min(1, p/q) as if it
+  had been drawn from q, so its output does not follow the target's distribution (the README
+  measures it), and its speed is not a lossless peer's.
 """
 
 from __future__ import annotations
@@ -185,7 +188,7 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
             except NativeUnavailable as exc:
                 report["native_unavailable"] = str(exc)
         progress = Progress(sum(len(p) for p in sets.values()) * len(chosen) * args.repeats
-                            * (len(modes) + 2 + (len(NATIVE_DRAFTS) if native else 0)))
+                            * (len(modes) + 2 + (len(NATIVE_DRAFTS) if native else 0)))  # at most
         for sampling in chosen:
             for set_name, prompts in sets.items():
                 cell = _run_cell(args, pair, spec, modes, sampling,
@@ -235,9 +238,11 @@ def _run_cell(args: argparse.Namespace, pair: ModelPair, spec: SpecConfig,
     order = [Mode.PLAIN, *modes] + ([Mode.ORACLE] if greedy and not args.no_ceiling else [])
     cell = Cell(sampling, set_name, {m.value: [] for m in order},
                 {m.value: [] for m in order}, params=params)
-    # llama-speculative's runs (by draft length) take their turns in the rotation too
-    lineup: list[Mode | int] = [*order, *(NATIVE_DRAFTS if native else ())]
-    cell.native = {n: [] for n in NATIVE_DRAFTS} if native else {}
+    # llama-speculative's runs (by draft length) take their turns in the rotation too; greedy
+    # only (see the module docstring)
+    natives = NATIVE_DRAFTS if native is not None and greedy else ()
+    lineup: list[Mode | int] = [*order, *natives]
+    cell.native = {n: [] for n in natives}
     tokens = cell.prompts = [vocab.tokenize(p) for p in prompts]
     answers: dict[int, list[int]] = {}
     # what each mode's engine learned (auto's planner, the drafters' calibrations) lives across

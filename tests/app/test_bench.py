@@ -118,9 +118,9 @@ def fake_speculative(folder, code: int = 0):
 
 def test_native_speculation_runs_beside_the_modes_with_the_same_sampler(
         tiny_models, tmp_path, capsys, monkeypatch) -> None:
-    """llama-speculative takes its turns in each cell's rotation, on every prompt and repeat,
-    with the cell's sampler chain and repetition control; its speedup is over the same
-    repeats' plain decoding."""
+    """llama-speculative takes its turns in each greedy cell's rotation, on every prompt and
+    repeat, with the cell's repetition control; its speedup is over the same repeats' plain
+    decoding. Not when sampling: its sampled output is not the target's distribution."""
     from app.tools import bench
 
     tool, log = fake_speculative(tmp_path)
@@ -135,37 +135,31 @@ def test_native_speculation_runs_beside_the_modes_with_the_same_sampler(
                  "--repeats", "2", "--no-ceiling", "--native", "--json"]) == 0
     report = json.loads(capsys.readouterr().out)
     runs = [json.loads(line) for line in log.read_text().splitlines()]
-    # 2 cells x 2 repeats x 2 prompts x 2 draft lengths
-    assert len(runs) == 16
-    options = [dict(itertools.pairwise(a)) for a in runs]  # each argument -> the next
-    greedy = [o for o in options if o["--temp"] == "0"]
-    sampled = [o for o in options if o["--temp"] == "1"]
-    assert len(greedy) == len(sampled) == 8
+    # the greedy cell: 2 repeats x 2 prompts x 2 draft lengths
+    assert len(runs) == 8
+    greedy = [dict(itertools.pairwise(a)) for a in runs]  # each argument -> the next
     for opts in greedy:  # the repetition penalty given, the format's DRY, then the argmax
         assert (opts["--sampling-seq"], opts["--top-k"]) == ("edk", "1")
         assert opts["--repeat-penalty"] == "1.05" and opts["--repeat-last-n"] == "64"
         assert opts["--dry-multiplier"] == "0.8" and opts["-c"] == "256" and opts["-n"] == "8"
     breakers = [b for a, b in itertools.pairwise(runs[0]) if a == "--dry-sequence-breaker"]
     assert breakers == ["\n", ":", "\"", "*"]
-    for opts in sampled:  # min-p, then temperature 1 and top-k 50, seeded like our runs
-        assert (opts["--sampling-seq"], opts["--top-k"]) == ("edmtk", "50")
-    assert sorted(o["-s"] for o in sampled) == sorted(
-        str(1000 * r + i) for r in range(2) for i in range(2) for _ in range(2))
     assert sorted({o["-p"] for o in greedy}) == ["class Point:\n", "def add(a, b):\n"]
-    for cell in report["cells"]:
-        slow, fast = cell["modes"]["plain"]["tokens_per_second_range"]
-        assert set(cell["native"]) == {"llama-speculative 4", "llama-speculative 8"}
-        for s in cell["native"].values():
-            assert s["tokens_per_second"] == pytest.approx(40.0)
-            lo, hi = s["speedup_range"]  # over plain's speed in the same repeat
-            assert (lo, hi) == (pytest.approx(40.0 / fast), pytest.approx(40.0 / slow))
-            assert lo <= s["speedup"] <= hi
-            assert s["accept"] == 0.75 and s["tau"] == pytest.approx(20 / 8)
-            assert s["degenerate_outputs"] == "2/2"  # ' x = 1' ten times is a loop
+    greedy_cell, sampled_cell = report["cells"]
+    assert "native" not in sampled_cell
+    slow, fast = greedy_cell["modes"]["plain"]["tokens_per_second_range"]
+    assert set(greedy_cell["native"]) == {"llama-speculative 4", "llama-speculative 8"}
+    for s in greedy_cell["native"].values():
+        assert s["tokens_per_second"] == pytest.approx(40.0)
+        lo, hi = s["speedup_range"]  # over plain's speed in the same repeat
+        assert (lo, hi) == (pytest.approx(40.0 / fast), pytest.approx(40.0 / slow))
+        assert lo <= s["speedup"] <= hi
+        assert s["accept"] == 0.75 and s["tau"] == pytest.approx(20 / 8)
+        assert s["degenerate_outputs"] == "2/2"  # ' x = 1' ten times is a loop
     chart = tmp_path / "chart.png"
     from app.ui.bench_chart import bars, save_chart
 
-    assert "native 4" in bars(report["cells"][0])
+    assert "native 4" in bars(greedy_cell) and "native 4" not in bars(sampled_cell)
     assert save_chart(report, chart).stat().st_size > 1000
 
 
