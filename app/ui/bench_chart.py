@@ -65,7 +65,7 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
               + [s["speedup_range"][1] for c in cells for s in bars(c).values()] + [1.0])
     ticks = nice_ticks(top)
     panel_h = ROW * len(modes) + 66
-    title_h = 72
+    title_h = 88
     width = MARGIN * 2 + len(columns) * (LABEL_W + PANEL_W + MARGIN)
     height = title_h + len(rows) * (panel_h + MARGIN) + MARGIN
     image = QImage(width, height, QImage.Format.Format_ARGB32)
@@ -82,11 +82,14 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
                f"Speedup over plain decoding: target {report['target']}, draft "
                f"{report.get('draft') or 'none'}")
     # the host and its curve may be longer than the figure is wide: wrapped, never clipped
-    p.drawText(QRectF(MARGIN, 26, width - 2 * MARGIN, 40),
+    native = any(c.get("native") for c in cells)
+    p.drawText(QRectF(MARGIN, 26, width - 2 * MARGIN, 56),
                Qt.AlignmentFlag.AlignLeft | Qt.TextFlag.TextWordWrap,
                f"{report['host']['cpu']}, {report['host']['threads']} threads, flash attention "
                f"{'on' if report['host'].get('flash_attn') else 'off'}; target "
-               f"cost(n)/cost(1) {curve}; median of the repeats, whiskers: min-max")
+               f"cost(n)/cost(1) {curve}; median of the repeats, whiskers: min-max"
+               + ("; grey: llama.cpp's llama-speculative, chains of at most n draft tokens"
+                  if native else ""))
     for r, prompts in enumerate(rows):
         for c, sampling in enumerate(columns):
             cell = next((x for x in cells if x["sampling"] == sampling
