@@ -6,8 +6,9 @@ kind, the cost model sizes the tree (``speculative.sizing``): a draft batch only
 expected tokens per second beat the step's so far, then the cut that maximises them; greedy, the
 n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's own tree merged
 in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
-measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays: where nothing
-does (a steep cost curve), the step verifies the root alone, and counts as its kind's.
+measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays (at least the
+best node once the draft model has been paid for): where nothing does (a steep cost curve),
+an n-gram step verifies the root alone, and counts as its kind's.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
@@ -594,24 +595,37 @@ class AutoPolicy:
         merged = TokenTree.rooted(tree.tokens[0])
         node_of: dict[Path, int] = {(): 0}
         scored: dict[Path, tuple[Scorer, float]] = {}
+        def capped(parent: int, score: float) -> float:
+            # a child never scores above its parent (the cut takes the best nodes and must
+            # get a tree: ``TokenTree.top_nodes``); two scorers' calibrations can break that
+            return min(score, merged.scores[parent]) if parent else score
+
         for v in range(1, len(tree)):
             path = tree.path(v)
-            node_of[path] = merged.add(node_of[path[:-1]], tree.tokens[v],
-                                       calibrations.factor(Scorer.DRAFT) * tree.scores[v],
-                                       tree.origins[v], tree.probs[v])
+            parent = node_of[path[:-1]]
+            node_of[path] = merged.add(parent, tree.tokens[v], capped(
+                parent, calibrations.factor(Scorer.DRAFT) * tree.scores[v]),
+                tree.origins[v], tree.probs[v])
             if v not in guessed:
                 scored[path] = (Scorer.DRAFT, tree.scores[v])
         other = ngram_tree.tree
         for v in range(1, len(other)):
             path = other.path(v)
             if path not in node_of:
-                node_of[path] = merged.add(node_of[path[:-1]], other.tokens[v],
-                                           calibrations.factor(Scorer.BRANCHES)
-                                           * other.scores[v], "ngram", other.probs[v])
+                parent = node_of[path[:-1]]
+                node_of[path] = merged.add(parent, other.tokens[v], capped(
+                    parent, calibrations.factor(Scorer.BRANCHES) * other.scores[v]),
+                    "ngram", other.probs[v])
                 scored[path] = (Scorer.BRANCHES, other.scores[v])
         t_spent = drafting_time(drafter) + ngram.counters.t_stage2
         whole = DraftTree(merged, {})  # scores already calibrated: factor 1
-        cut = self.res.cut(whole, whole.scores(), t_spent, 1.0, budget.max_nodes, at_least=0)
+        # once the draft model has decoded in this step, its best node is verified, as the
+        # fixed modes do: the merged scores price it low where the draft is unsure, but a
+        # step that paid for the draft and verified nothing gets nothing for it, and this
+        # kind then ran slower than the same drafter in ``staged``
+        paid = int(drafter.counters.calls > 0)
+        cut = self.res.cut(whole, whole.scores(), t_spent, 1.0, budget.max_nodes,
+                           at_least=paid)
         kept = cut.tree
         names = frozenset(scored[p][0] for p in (kept.path(v) for v in range(1, len(kept)))
                           if p in scored)

@@ -187,6 +187,30 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
     assert planner.taken.count(StepKind.DRAFT) >= len(planner.taken) - 2
 
 
+def test_a_draft_step_that_paid_for_the_draft_verifies_its_best_node() -> None:
+    """On a curve where no drafted node pays, the draft's kind, held as the fastest, still
+    verifies at least its best node at every step where the draft model decoded (the fixed
+    modes do the same): a paid draft with nothing verified yields nothing for its price."""
+
+    class Planted(Planner):  # the draft's kind stays the fastest
+        def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                         switch: float = 0.0, alternatives=()) -> None:
+            pass
+
+    engine = _auto((1.0, 2.4, 3.2, 4.0, 7.0, 13.0), CHEAP_DRAFT)
+    engine.measure_cost()
+    planner = engine.planner = Planted(engine.res.sizer)
+    for _ in range(5):
+        Planner.observe_step(planner, StepKind.ROOT, 1, 0.04)
+        Planner.observe_step(planner, StepKind.GUESSES, 1, 0.04)
+        Planner.observe_step(planner, StepKind.DRAFT, 3, 0.02)
+    run = RunStats()
+    for prompt in PROMPTS[4:8]:
+        assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16)
+    paid = [s for s in run.steps if s.draft_calls > 0]
+    assert paid and all(s.drafted >= 1 for s in paid)
+
+
 def test_auto_verifies_the_root_alone_where_no_drafted_node_pays() -> None:
     """Where a second batch token costs more than a whole pass (a steep CPU curve), a node that
     is at best certain cannot pay for itself: the n-gram's kind, running, verifies the root
