@@ -36,9 +36,7 @@ class Penalizer:
     def __init__(self, params: SamplingParams, breakers: frozenset[int] = frozenset(),
                  n_vocab: int = 0) -> None:
         self.params = params
-        self.tokens_on = params.repeat_last_n > 0 and (
-            params.repeat_penalty != 1.0 or params.presence_penalty != 0.0
-            or params.frequency_penalty != 0.0)
+        self.tokens_on = params.token_penalties
         self.dry_on = params.dry_multiplier > 0.0
         size = max(n_vocab, max(breakers, default=-1) + 1)
         self.breaker = np.zeros(size, dtype=bool)  # token id -> ends every DRY match

@@ -75,11 +75,16 @@ class SamplingParams:
         return dataclasses.replace(self, **{f: getattr(other, f) for f in SAMPLER_FIELDS})
 
     @property
+    def token_penalties(self) -> bool:
+        """The repetition, presence or frequency penalty is on (over a window of tokens)."""
+        return self.repeat_last_n > 0 and (self.repeat_penalty != 1.0
+                                           or self.presence_penalty != 0.0
+                                           or self.frequency_penalty != 0.0)
+
+    @property
     def penalized(self) -> bool:
         """Any setting that depends on the text so far is on."""
-        return (((self.repeat_penalty != 1.0 or self.presence_penalty != 0.0
-                 or self.frequency_penalty != 0.0) and self.repeat_last_n > 0)
-                or self.dry_multiplier > 0.0)
+        return self.token_penalties or self.dry_multiplier > 0.0
 
 
 # the settings beyond temperature, top-k, top-p and seed: a prompt format's defaults

@@ -303,8 +303,7 @@ def sampler_args(p: SamplingParams) -> list[str]:
     design: llama-speculative's penalties and DRY see the tokens it generated, not the prompt
     (it never passes the prompt to its sampler); ours see the whole text."""
     seq, args = "", []
-    if p.repeat_last_n > 0 and (p.repeat_penalty != 1.0 or p.presence_penalty != 0.0
-                                or p.frequency_penalty != 0.0):
+    if p.token_penalties:
         seq += "e"
         args += ["--repeat-penalty", f"{p.repeat_penalty:g}", "--repeat-last-n",
                  str(p.repeat_last_n), "--presence-penalty", f"{p.presence_penalty:g}",
