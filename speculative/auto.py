@@ -27,8 +27,10 @@ would pay it at every step) and priced where switching is decided: the kind that
 running stays the fastest against one that must catch up until the measured difference, over
 the steps the new kind would run, repays the catching up, and against any kind until it
 leads by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other
-as its alternative (two kinds about as fast would otherwise alternate with the noise of their
-measurements and pay the catching up at every switch). It is counted in the regret below.
+as its alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the
+steps' own spread: two kinds about as fast would otherwise alternate with the noise of their
+measurements, pay the catching up at every switch, and a kind that won a short exploration by
+chance would run until the noise turned). It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
@@ -102,6 +104,7 @@ MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
 TRIAL_STEPS = 3  # steps in a row an exploration runs (the budget allowing)
 SWITCH_MARGIN = 0.03  # how much faster than the running kind another must be to take over
+SWITCH_DOUBTS = 1.0   # ... beyond this many standard errors of the measured difference
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
@@ -147,13 +150,17 @@ class Rate:
 class Paired:
     """Two kinds timed on the same steps: one as it ran, the other as what it would have
     verified there and how long that would have taken (``counterfactual``). Decayed sums, so
-    the ratio of their rates follows the text as it changes."""
+    the ratio of their rates follows the text as it changes; and of each step's log ratio of
+    the two rates, so that how far one step differs from another (a step accepts 1 token or
+    6) says how much the pooled ratio can be trusted (``doubt``)."""
 
     tokens: float = 0.0      # the kind that ran
     seconds: float = 0.0
     alt_tokens: float = 0.0  # the other, on the same steps
     alt_seconds: float = 0.0
     steps: float = 0.0
+    logs: float = 0.0     # sum of the steps' log(rate / alt rate)
+    squares: float = 0.0  # ... and of its squares
     decay: float = 0.95
 
     def add(self, tokens: int, seconds: float, alt_tokens: int, alt_seconds: float) -> None:
@@ -163,6 +170,10 @@ class Paired:
         self.alt_tokens = d * self.alt_tokens + alt_tokens
         self.alt_seconds = d * self.alt_seconds + alt_seconds
         self.steps = d * self.steps + 1.0
+        ratio = (math.log(tokens * alt_seconds / (seconds * alt_tokens))
+                 if min(tokens, seconds, alt_tokens, alt_seconds) > 0 else 0.0)
+        self.logs = d * self.logs + ratio
+        self.squares = d * self.squares + ratio * ratio
 
     def age(self, steps: int) -> None:
         """Decay by ``steps`` steps in which this pair was not timed."""
@@ -170,6 +181,7 @@ class Paired:
         self.tokens, self.seconds, self.alt_tokens, self.alt_seconds, self.steps = (
             self.tokens * k, self.seconds * k, self.alt_tokens * k, self.alt_seconds * k,
             self.steps * k)
+        self.logs, self.squares = self.logs * k, self.squares * k
 
     @property
     def measured(self) -> bool:
@@ -181,15 +193,36 @@ class Paired:
         """The ran kind's rate over the other's on the same steps."""
         return (self.tokens / self.seconds) / (self.alt_tokens / self.alt_seconds)
 
+    @property
+    def doubt(self) -> float:
+        """The standard error of the log of ``advantage``: the steps' log ratios' spread over
+        the square root of their (decayed) number."""
+        if self.steps <= 0:
+            return math.inf
+        mean = self.logs / self.steps
+        spread = max(self.squares / self.steps - mean * mean, 0.0)
+        return math.sqrt(spread / self.steps)
+
     def memory(self) -> list[float]:
-        return [self.tokens, self.seconds, self.alt_tokens, self.alt_seconds, self.steps]
+        return [self.tokens, self.seconds, self.alt_tokens, self.alt_seconds, self.steps,
+                self.logs, self.squares]
 
     @classmethod
     def recalled(cls, memory: Sequence[float], steps: float) -> Paired:
-        """Timings from ``memory``, weighing ``steps`` steps at most (their ratio kept)."""
-        *sums, seen = recalled_sums(memory, 5)
+        """Timings from ``memory``, weighing ``steps`` steps at most (their ratio kept); a
+        memory without the steps' log ratios (an older version's) is as sure as it is
+        many."""
+        memory = list(memory)
+        if len(memory) == 5:
+            memory += [0.0, 0.0]
+        if len(memory) != 7:
+            raise ValueError(f"not a pair's timings: {memory!r}")
+        *sums, seen = recalled_sums(memory[:5], 5)
+        logs, squares = (float(x) for x in memory[5:])
+        if not (math.isfinite(logs) and math.isfinite(squares) and squares >= 0.0):
+            raise ValueError(f"not a pair's timings: {memory!r}")
         k = shrink(seen, steps)
-        return cls(*(x * k for x in sums), min(seen, steps))
+        return cls(*(x * k for x in sums), min(seen, steps), logs * k, squares * k)
 
 
 def counterfactual_tokens(tree: TokenTree, written: Sequence[int]) -> int:
@@ -321,7 +354,7 @@ class Planner:
         if held is None or held is top or held not in measured:
             return top
         lead = self.relative(top, held)
-        if lead <= 1.0 + SWITCH_MARGIN:
+        if math.log(lead) <= math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * self.doubt(top, held):
             return held
         gain = (1.0 - 1.0 / lead) * HOLD_STEPS * self.plain_seconds()
         return top if gain > self.catch_up.get(top, 0.0) else held
@@ -336,6 +369,17 @@ class Planner:
         if pair is not None and pair.measured:
             return 1.0 / pair.advantage
         return self.speed(a) / self.speed(b)
+
+    def doubt(self, a: StepKind, b: StepKind) -> float:
+        """How far ``relative(a, b)`` may be off by chance, as the standard error of its log:
+        its pair's (``Paired.doubt``), or where it is read off two pairs with the target
+        alone, both of theirs; 0 where rates measured apart decide (nothing to tell)."""
+        for pair in (self.pairs.get((a, b)), self.pairs.get((b, a))):
+            if pair is not None and pair.measured:
+                return pair.doubt
+        doubts = [p.doubt for p in (self.pairs.get((k, StepKind.ROOT)) for k in (a, b))
+                  if p is not None and p.measured]
+        return math.sqrt(sum(d * d for d in doubts))
 
     def choose(self, kinds: Sequence[StepKind],
                risks: Mapping[StepKind, float] | None = None) -> StepKind:
@@ -460,7 +504,13 @@ class Planner:
             # at every step and never look as fast as it runs; switching is priced where it
             # is decided (``fastest`` holds the running kind until a switch pays)
             paired = self.pairs.setdefault((kind, alt), Paired())
-            paired.age(idle)
+            if alt is StepKind.ROOT:
+                # the kind's speed now: it ages with the text, as its rate does; against
+                # another drafted kind, the pair is the evidence of which is faster, gathered
+                # one exploration at a time, and aged by the steps between them each
+                # exploration's few steps would decide alone (one step emits 1 token, the
+                # next 6: far too few to tell kinds a few percent apart)
+                paired.age(idle)
             paired.add(tokens, ran, alt_tokens, alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
@@ -650,9 +700,13 @@ class AutoPolicy:
                         ) -> list[tuple[StepKind, int, float]]:
         """What each of the plan's alternatives would have emitted in this step, and in how
         many seconds: the step's own time outside planning and the target's pass, the
-        alternative's planning, and this pass's time scaled by the cost curve to the
-        alternative's batch (so the machine's load of the moment is in both). The tokens are
-        known exactly where verification is deterministic: greedy, or the target alone."""
+        alternative's planning, and the target's pass over the alternative's batch at this
+        moment (so the machine's load of the moment is in both): over the root alone, the
+        engine's estimate of such a pass (``Outcome.t_single``: a pass's fixed costs do not
+        shrink with the cost curve, and scaled by the curve alone a drafted step's plain
+        counterpart read fast, and the draft's kind slow beside the others); over a tree, this
+        pass scaled by the cost curve. The tokens are known exactly where verification is
+        deterministic: greedy, or the target alone."""
         curve = self.planner.sizer.target.curve
         if outcome.batch < 1 or not plan.alternatives:
             return []
@@ -663,7 +717,10 @@ class AutoPolicy:
             if alt.kind is not StepKind.ROOT and not self.planner.greedy:
                 continue  # a sampled tree's acceptance is a draw: not known for this step
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
-            verify = outcome.t_verify * curve(batch) / curve(outcome.batch)
+            if batch == 1 and outcome.t_single > 0:
+                verify = outcome.t_single
+            else:
+                verify = outcome.t_verify * curve(batch) / curve(outcome.batch)
             out.append((alt.kind, counterfactual_tokens(alt.tree, written),
                         rest + alt.t_plan + verify))
         return out

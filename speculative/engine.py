@@ -321,8 +321,8 @@ class Engine:
         accepted = self._commit(plan, verdict, slots, in_place)
         t3 = time.perf_counter()
         drafting = plan.counters.t_draft + plan.counters.t_stage2
-        plain = self._plain_per_token(batch, shape_before, t2 - t1,
-                                      t3 - t0 - (t2 - t1) - drafting)
+        single = self._single_pass(batch, shape_before, t2 - t1)
+        plain = self._plain_per_token(batch, single, t3 - t0 - (t2 - t1) - drafting)
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
                                 verdict.offered, t0, t1, t2, t3, batch, plain)
         if redecoded:
@@ -333,30 +333,39 @@ class Engine:
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0,
-                                     t1 - t0, t2 - t1, batch, verdict.next_token))
+                                     t1 - t0, t2 - t1, batch, verdict.next_token, single))
         tree = plan.tree.tree
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         return [*accepted, verdict.next_token], origins, stats
 
-    def _plain_per_token(self, batch: int, shape_before: int, t_verify: float,
-                         t_rest: float) -> float:
-        """What one token of plain decoding costs now: a step with the target alone is one
-        (its pass and the rest of its time outside drafting: ``auto`` may draft a tree and
-        keep none of it); any other step's pass of ``batch`` tokens scaled
-        by the cost curve to one token (less the graph switch when the batch's shape changed),
-        and by what drafted passes have recently cost beyond the curve's shape against single
-        tokens (``PassLoads.drafted_factor``), plus the loop's overhead around a pass with
-        the target alone (the decayed mean of such steps'); 0 without a cost curve."""
+    def _single_pass(self, batch: int, shape_before: int, t_verify: float) -> float:
+        """What the target's pass over one token, with the acceptance rule, costs now: this
+        step's own where it verified the root alone; any other step's pass of ``batch`` tokens
+        scaled by the cost curve to one token (less the graph switch when the batch's shape
+        changed), and by what drafted passes have recently cost beyond the curve's shape
+        against single tokens (``PassLoads.drafted_factor``: a pass's fixed costs, logits and
+        penalties among them, do not shrink with the curve); 0 without a cost curve."""
         if batch == 1:
-            self._overhead.add(t_rest)
-            return t_verify + t_rest
+            return t_verify
         if self.res.sizer is None:
             return 0.0
         cost = self.res.sizer.curve  # at this step's context
         switch = cost.switch if batch != shape_before else 0.0
-        one = (max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
-               / self.passes.drafted_factor())
-        return one + self._overhead.value  # (its prior, 0, before any such step)
+        return (max(t_verify - switch, 0.0) * cost.curve(1) / cost.curve(batch)
+                / self.passes.drafted_factor())
+
+    def _plain_per_token(self, batch: int, single: float, t_rest: float) -> float:
+        """What one token of plain decoding costs now: a step with the target alone is one
+        (its pass and the rest of its time outside drafting: ``auto`` may draft a tree and
+        keep none of it); for any other, its ``single`` pass (``_single_pass``) plus the
+        loop's overhead around a pass with the target alone (the decayed mean of such
+        steps'); 0 without an estimate of the pass."""
+        if batch == 1:
+            self._overhead.add(t_rest)
+            return single + t_rest
+        if single <= 0.0:
+            return 0.0
+        return single + self._overhead.value  # (its prior, 0, before any such step)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
                 rng: np.random.Generator, penalties: StepPenalties | None

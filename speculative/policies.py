@@ -111,6 +111,9 @@ class Outcome:
     t_verify: float = 0.0       # ... and the target's pass with the acceptance rule
     batch: int = 0              # tokens in the target's pass
     next_token: int = -1        # the target's own token after the accepted path
+    # the target's pass over the root alone, at this moment: this pass where it was one, else
+    # the engine's estimate from it (0: unknown)
+    t_single: float = 0.0
 
 
 def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:

@@ -3,6 +3,7 @@ budget, probes, the merged tree, and the ``Learned`` hand-on; every reply exact.
 
 from __future__ import annotations
 
+import dataclasses
 import itertools
 import math
 
@@ -694,6 +695,72 @@ def test_counterfactual_tokens_follow_what_the_target_wrote() -> None:
     assert counterfactual_tokens(TokenTree.rooted(7), (1, 2)) == 1  # the target alone
 
 
+def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_single_pass(
+        ) -> None:
+    """A drafted step's counterfactuals: the target alone costs the step's time outside
+    planning and the pass, plus the engine's estimate of a single-token pass at this moment
+    (a pass's fixed costs do not shrink with the curve, so scaling the drafted pass down by
+    the curve would read fast); another tree costs that plus its planning, its pass scaled
+    from this one by the curve. Without the engine's estimate the root's pass is scaled too."""
+    from types import SimpleNamespace
+
+    from speculative.auto import AutoPolicy
+    from speculative.plan import Alternative, StepPlan
+    from speculative.policies import Outcome
+
+    planner = _planner()
+    planner.greedy = True
+    policy = AutoPolicy(SimpleNamespace(planner=planner))
+    drafted = TokenTree.rooted(7)
+    a = drafted.add(0, 1, 0.9, "draft")
+    drafted.add(a, 2, 0.8, "draft")
+    drafted.add(0, 3, 0.1, "draft")  # 4 nodes: a batch of 4, the root included
+    guesses = TokenTree.rooted(7)
+    guesses.add(0, 1, 0.5, "ngram")  # 2 nodes: a batch of 2
+    plan = StepPlan(DraftTree(drafted, {}), None, StepKind.DRAFT, alternatives=(
+        Alternative(StepKind.GUESSES, guesses, 0.01), Alternative(StepKind.ROOT,
+                                                                 TokenTree.rooted(7))))
+    outcome = Outcome([a], (1,), 2, seconds=0.30, t_plan=0.08, t_verify=0.20, batch=4,
+                      next_token=5, t_single=0.18)
+    rest, curve = 0.02, planner.sizer.target.curve
+    (gu, gu_tokens, gu_s), (root, root_tokens, root_s) = policy.counterfactuals(plan, outcome)
+    assert (gu, gu_tokens, root, root_tokens) == (StepKind.GUESSES, 2, StepKind.ROOT, 1)
+    assert gu_s == pytest.approx(rest + 0.01 + 0.20 * curve(2) / curve(4))
+    assert root_s == pytest.approx(rest + 0.18)
+    assert root_s > rest + 0.20 * curve(1) / curve(4)  # what the curve alone says
+    unknown = dataclasses.replace(outcome, t_single=0.0)
+    assert policy.counterfactuals(plan, unknown)[1][2] == pytest.approx(
+        rest + 0.20 * curve(1) / curve(4))
+
+
+@pytest.mark.parametrize("steady", [False, True])
+def test_a_kind_takes_over_only_when_its_lead_is_beyond_the_steps_noise(steady: bool) -> None:
+    """The n-gram's kind has been running; then the draft's runs four steps with the n-gram's
+    tree as its alternative, 1.4 times as fast pooled. Where each step says about the same
+    (steady) the draft takes over; where one step emits 6 tokens and the next 1 (the n-gram's
+    alternative 3 and 2), four steps cannot tell a 1.4 lead from chance: the n-gram's kind
+    stays. Either way the pair keeps what the steps said: it does not age while its kinds sit
+    idle, so later explorations add to it."""
+    planner = _planner()
+    for _ in range(10):
+        planner.observe_step(StepKind.GUESSES, 2, 1.0, alternatives=[(StepKind.ROOT, 1, 0.8)])
+    assert planner.held is StepKind.GUESSES
+    steps = ([(7, 2.0, 5, 2.0)] * 4 if steady
+             else [(6, 1.0, 3, 1.0), (1, 1.0, 2, 1.0)] * 2)
+    for tokens, seconds, alt_tokens, alt_seconds in steps:
+        planner.observe_step(StepKind.DRAFT, tokens, seconds, alternatives=[
+            (StepKind.GUESSES, alt_tokens, alt_seconds), (StepKind.ROOT, 1, 0.8 * seconds)])
+    pair = planner.pairs[(StepKind.DRAFT, StepKind.GUESSES)]
+    assert pair.measured and pair.advantage == pytest.approx(1.4, rel=0.05)
+    assert planner.speed(StepKind.DRAFT) > planner.speed(StepKind.GUESSES)
+    assert planner.held is (StepKind.DRAFT if steady else StepKind.GUESSES)
+    assert (pair.doubt < 0.01) is steady
+    before = pair.steps
+    for _ in range(EXPLORE_EVERY):
+        planner.observe_step(StepKind.GUESSES, 2, 1.0, alternatives=[(StepKind.ROOT, 1, 0.8)])
+    assert pair.steps == before
+
+
 def test_kinds_are_compared_on_the_same_steps() -> None:
     """The n-gram's trees ran on easy text (3 tokens per second) and the draft's on hard text
     (2 per second): apart, the n-gram's look faster. On the draft's own steps the n-gram's
@@ -747,3 +814,22 @@ def test_auto_times_each_step_against_what_other_kinds_would_have_done() -> None
     assert (StepKind.DRAFT, StepKind.ROOT) in pairs
     for pair in pairs.values():
         assert pair.alt_tokens > 0 and pair.alt_seconds > 0
+
+
+def test_paired_timings_are_recalled_with_their_spread_and_from_older_memories() -> None:
+    """A pair's memory keeps the steps' log ratios (its doubt comes back with it, shrunk to the
+    steps recalled); a memory written before they were kept is recalled as sure as it is
+    many; anything else is not a pair's memory."""
+    from speculative.auto import Paired
+
+    pair = Paired()
+    for tokens in (6, 1, 6, 1, 6, 1):
+        pair.add(tokens, 1.0, 3, 1.0)
+    again = Paired.recalled(pair.memory(), pair.steps)
+    assert again.advantage == pytest.approx(pair.advantage)
+    assert again.doubt == pytest.approx(pair.doubt) and pair.doubt > 0.3
+    older = Paired.recalled(pair.memory()[:5], RECALL_STEPS)
+    assert older.advantage == pytest.approx(pair.advantage) and older.doubt == 0.0
+    for bad in ([1.0, 2.0], [*pair.memory()[:5], math.nan, 1.0], [*pair.memory()[:5], 0.0, -1.0]):
+        with pytest.raises(ValueError):
+            Paired.recalled(bad, RECALL_STEPS)

@@ -164,12 +164,13 @@ def test_drafted_passes_that_cost_more_than_the_curve_says_correct_the_meter(
 
         pair.passes.single.clear()
         pair.passes.drafted.clear()
-        plain_time = staged._plain_per_token(4, 4, t_verify=0.010, t_rest=0.0)
+        single = staged._single_pass(4, 4, t_verify=0.010)
         for _ in range(PASS_MIN):
             pair.passes.add(1, 1.0)
             pair.passes.add(4, 1.25)
-        assert staged._plain_per_token(4, 4, 0.010, 0.0) == pytest.approx(
-            (plain_time - staged._overhead.value) / 1.25 + staged._overhead.value)
+        assert staged._single_pass(4, 4, 0.010) == pytest.approx(single / 1.25)
+        assert staged._plain_per_token(4, single / 1.25, t_rest=0.0) == pytest.approx(
+            single / 1.25 + staged._overhead.value)
 
 
 def test_pass_loads_compare_recent_passes_of_each_kind_within_bounds() -> None:
