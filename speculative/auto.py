@@ -7,8 +7,10 @@ expected tokens per second beat the step's so far, then the cut that maximises t
 n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's own tree merged
 in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
 measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays (at least the
-best node once the draft model has been paid for): where nothing does (a steep cost curve),
-an n-gram step verifies the root alone, and counts as its kind's.
+best node once the draft model has been paid for). An n-gram step verifies at least its best
+node, as ``ngram`` does: on a steep cost curve the model may price a lone node as not paying
+where ``ngram``'s steps, which verify it anyway, run faster (README), and whether it pays is
+measured instead: the target alone is a kind of its own, timed in every drafted step's place.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
@@ -163,7 +165,8 @@ class Paired:
     squares: float = 0.0  # ... and of its squares
     decay: float = 0.95
 
-    def add(self, tokens: int, seconds: float, alt_tokens: int, alt_seconds: float) -> None:
+    def add(self, tokens: float, seconds: float, alt_tokens: float, alt_seconds: float,
+            ) -> None:
         d = self.decay
         self.tokens = d * self.tokens + tokens
         self.seconds = d * self.seconds + seconds
@@ -225,18 +228,33 @@ class Paired:
         return cls(*(x * k for x in sums), min(seen, steps), logs * k, squares * k)
 
 
-def counterfactual_tokens(tree: TokenTree, written: Sequence[int]) -> int:
+def counterfactual_tokens(tree: TokenTree, written: Sequence[int],
+                          hit_rate: float = 0.0) -> float:
     """Tokens a greedy step verifying ``tree`` would have emitted where the target wrote
     ``written`` (the accepted tokens and its own next one): the tree's nodes along them, plus
-    the target's token after the last. Past ``written`` the target's tokens are unknown, so a
-    tree that holds all of them is counted as stopping there."""
+    the target's token after the last. Past ``written`` the target's tokens are unknown: a
+    tree that holds all of them and goes deeper is credited, for each level of its deepest
+    path below, with ``hit_rate`` to the power of the level (the chance, measured, that a
+    guess is accepted where its parent was). Counted as stopping there, a deep n-gram chain
+    beside a step that stopped early would be credited with what that step emitted, and the
+    kind that ran would look the faster on the very steps it was worst at."""
     node, k = 0, 0
     for token in written:
         child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
         if child is None:
-            break
+            return k + 1
         node, k = child, k + 1
-    return k + 1
+    below = _height(tree, node)
+    return k + 1 + sum(hit_rate ** level for level in range(1, below + 1))
+
+
+def _height(tree: TokenTree, node: int) -> int:
+    """Levels of ``tree`` below ``node`` on its deepest path."""
+    height, frontier = 0, list(tree.children[node])
+    while frontier:
+        height += 1
+        frontier = [c for v in frontier for c in tree.children[v]]
+    return height
 
 
 def _backoff(every: int, lost: bool) -> int:
@@ -485,7 +503,7 @@ class Planner:
 
     def observe_step(self, kind: StepKind, tokens: int, seconds: float,
                      switch: float = 0.0,
-                     alternatives: Sequence[tuple[StepKind, int, float]] = ()) -> None:
+                     alternatives: Sequence[tuple[StepKind, float, float]] = ()) -> None:
         """A finished step of ``kind`` emitted ``tokens`` in ``seconds``, ``switch`` of them
         spent catching up after other kinds ran (left out of the kind's rate);
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
@@ -568,15 +586,18 @@ class AutoPolicy:
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
             return StepPlan.alone(step.root)
-        t0 = time.perf_counter()
-        alone = Alternative(StepKind.ROOT, TokenTree.rooted(step.root))
+        # an alternative's planning counts from the step's start: the step's own setup
+        # before planning (its penalties, pricing, the choice of kind) is the alternative's
+        # too, and is not in the time outside planning that ``counterfactuals`` adds
+        t0 = time.perf_counter() if step.t0 is None else step.t0
+        alone = Alternative(StepKind.ROOT, TokenTree.rooted(step.root), time.perf_counter() - t0)
         res.feed_ngram(step.committed)
         ngram = res.ngram_drafter(step.params, budget)
         if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                              res.worth_growing(), step.penalties)
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params,
-                                  at_least=0)
+                                  at_least=1)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
                                       alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
@@ -588,7 +609,7 @@ class AutoPolicy:
                                    res.worth_growing(), step.penalties)
             # what a step of the n-gram's tree alone would have verified here
             cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
-                          res.calibrations.factor(Scorer.NGRAM), at_least=0)
+                          res.calibrations.factor(Scorer.NGRAM), at_least=1)
             guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
         drafter = res.model_drafter(step.config, staged=True)
         draft = grow(drafter, step, expand)
@@ -697,7 +718,7 @@ class AutoPolicy:
                              self.counterfactuals(plan, outcome))
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
-                        ) -> list[tuple[StepKind, int, float]]:
+                        ) -> list[tuple[StepKind, float, float]]:
         """What each of the plan's alternatives would have emitted in this step, and in how
         many seconds: the step's own time outside planning and the target's pass, the
         alternative's planning, and the target's pass over the alternative's batch at this
@@ -711,6 +732,7 @@ class AutoPolicy:
         if outcome.batch < 1 or not plan.alternatives:
             return []
         written = (*outcome.accepted, outcome.next_token)
+        hits = self.planner.ngram_hits.value
         rest = max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0)
         out = []
         for alt in plan.alternatives:
@@ -721,7 +743,7 @@ class AutoPolicy:
                 verify = outcome.t_single
             else:
                 verify = outcome.t_verify * curve(batch) / curve(outcome.batch)
-            out.append((alt.kind, counterfactual_tokens(alt.tree, written),
+            out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits),
                         rest + alt.t_plan + verify))
         return out
 

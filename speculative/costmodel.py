@@ -98,6 +98,19 @@ class VerifyCost:
         tail = None if clamped or self.fitted_tail is None else self.fitted_tail + extra * b
         return dataclasses.replace(self, seconds=seconds, context=context, fitted_tail=tail)
 
+    def drafted(self, factor: float) -> VerifyCost:
+        """This curve with every batch of more than one token ``factor`` times as dear: the
+        curve times bare decodes back to back, and in decoding a pass also reads its logits,
+        applies the penalties and the acceptance rule, between the draft's passes, so a
+        drafted pass there costs that much more (or less) against a single token than the
+        curve's shape says (``PassLoads.drafted_factor``)."""
+        if factor == 1.0:
+            return self
+        seconds = tuple(t if n <= 1 else t * factor
+                        for n, t in zip(self.sizes, self.seconds, strict=True))
+        tail = None if self.fitted_tail is None else self.fitted_tail * factor
+        return dataclasses.replace(self, seconds=seconds, fitted_tail=tail)
+
     def __call__(self, n: int) -> float:
         if self.last is not None and n != self.last:
             return self.curve(n) + self.switch

@@ -291,8 +291,10 @@ class Engine:
         if res.sizer is not None:
             # at this context, priced after a batch shaped like the last one: leaving the
             # target alone for a tree, and coming back, each build a graph
-            res.sizer.locate(len(committed), res.target.last_batch)
-        step = StepInput(committed, config, self._fit(config, committed), params, rng, penalties)
+            res.sizer.locate(len(committed), res.target.last_batch,
+                             self.passes.drafted_factor())
+        step = StepInput(committed, config, self._fit(config, committed), params, rng, penalties,
+                         t0)
         try:
             plan = policy.plan(step)
             t1 = time.perf_counter()

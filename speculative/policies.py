@@ -93,6 +93,7 @@ class StepInput:
     params: SamplingParams
     rng: np.random.Generator
     penalties: StepPenalties | None = None  # the params' penalties below committed, if any
+    t0: float | None = None  # when the step began (``time.perf_counter``), if known
 
     @property
     def root(self) -> int:
@@ -249,7 +250,7 @@ class Resources:
         assert self.sizer is not None
         factor = self.calibrations.factor(Scorer.NGRAM)
         least = self.sizer.least_worth() / factor
-        cost = self.sizer.curve
+        cost = self.sizer.priced
         alone = max(cost.curve(2) / cost.curve(1) - 1.0, 0.0) / factor
 
         def expand(tree: TokenTree, frontier: list[int], depth: int) -> int:
@@ -281,11 +282,11 @@ class Resources:
         least ``at_least``, at most ``most``). A mode the user chose verifies at least one
         node, so that its calibration keeps learning; ``auto`` verifies none where none
         pays (its explorations are what measure the kinds it does not run)."""
-        # the curve at this context alone, not priced by the last batch's shape: a tree's
-        # size settles over steps, and a step that paid to change it would keep paying to
-        # keep it small
+        # the curve at this context as passes cost in decoding, not priced by the last
+        # batch's shape: a tree's size settles over steps, and a step that paid to change it
+        # would keep paying to keep it small
         assert self.sizer is not None
-        n = max(best_size(basis, self.sizer.curve, t_draft, factor), at_least)
+        n = max(best_size(basis, self.sizer.priced, t_draft, factor), at_least)
         return draft.best(n if most is None else min(n, most))
 
 

@@ -42,20 +42,25 @@ class Sizer:
     # the estimated acceptance of an expanded node's best child, given the node's (its score
     # over its parent's)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
-    # the step's: the target's curve at its context (``curve``), that curve priced after the
-    # last batch's shape (``target``), and the draft's at its context
+    # the step's: the target's curve at its context as measured (``curve``), as its passes
+    # cost in decoding (``priced``: drafted passes against single tokens, see ``locate``),
+    # that priced after the last batch's shape (``target``), and the draft's at its context
     curve: VerifyCost = dataclasses.field(init=False)
+    priced: VerifyCost = dataclasses.field(init=False)
     target: VerifyCost = dataclasses.field(init=False)
     draft: VerifyCost | None = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.locate(0, None)
 
-    def locate(self, context: int, last: int | None) -> None:
+    def locate(self, context: int, last: int | None, drafted: float = 1.0) -> None:
         """Price the coming step: after ``context`` tokens of context and, for the target, a
-        batch of ``last`` tokens (None: shapes unpriced)."""
+        batch of ``last`` tokens (None: shapes unpriced), its drafted passes ``drafted``
+        times as dear against a single token as the measured curve says (what they have
+        recently cost in decoding: ``VerifyCost.drafted``)."""
         self.curve = self.measured_target.at(context)
-        self.target = self.curve.after(last)
+        self.priced = self.curve.drafted(drafted)
+        self.target = self.priced.after(last)
         self.draft = (self.measured_draft.at(context) if self.measured_draft is not None
                       else None)
 
@@ -123,6 +128,6 @@ class Sizer:
         second, and a node adds its acceptance probability in tokens for the cost of one more
         batch token, so below this no node pays; where batches are nearly free, almost any
         node does."""
-        curve = self.curve.curve
+        curve = self.priced.curve
         cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
         return max(cheapest, 0.0) / curve(1)

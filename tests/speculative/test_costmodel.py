@@ -96,6 +96,29 @@ def test_no_node_is_expected_to_yield_more_than_one_token() -> None:
     assert sizer.best_cut([0.9] * 8, 0.0, 2.0)[0] == 7
 
 
+def test_drafted_passes_priced_as_decoding_found_them_size_the_trees() -> None:
+    """Where a drafted pass in decoding costs less against a single token than the bare
+    curve says (a single token's pass also reads logits and applies the penalties, which do
+    not grow with the batch), the sizer prices batches of two or more tokens by that factor
+    and keeps nodes the bare curve would cut; where they cost more, fewer. A single token
+    and the measured curve itself are unchanged."""
+    curve = VerifyCost((1, 2, 4, 8), (1.0, 1.9, 3.0, 5.0))
+    cheaper = curve.drafted(0.75)
+    assert cheaper.curve(1) == 1.0 and cheaper.curve(2) == pytest.approx(1.425)
+    assert cheaper.curve(20) == pytest.approx(0.75 * curve.curve(20))  # beyond the table
+    assert curve.drafted(1.0) is curve
+    sizer = Sizer(curve, None)
+    scores = [0.75, 0.6, 0.5]
+    assert sizer.best_cut(scores, 0.0, 1.0)[0] == 0
+    sizer.locate(0, None, drafted=0.75)
+    assert sizer.curve is curve and sizer.priced.curve(2) == pytest.approx(1.425)
+    assert sizer.best_cut(scores, 0.0, 1.0)[0] == 2
+    assert best_size(scores, sizer.priced, 0.0, 1.0) == 2
+    assert sizer.least_worth() < Sizer(curve, None).least_worth()
+    sizer.locate(0, None, drafted=1.5)
+    assert best_size([0.95], sizer.priced, 0.0, 1.0) == 0 < best_size([0.95], curve, 0.0, 1.0)
+
+
 def test_time_spent_drafting_does_not_lower_the_bar_for_a_node() -> None:
     """After a slow drafting, the step's own rate is low, and a node that adds 0.7 tokens for
     0.8 of a pass would raise it; but the target alone does better per second: the node is
