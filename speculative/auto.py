@@ -240,7 +240,7 @@ def counterfactual_tokens(tree: TokenTree, written: Sequence[int],
     kind that ran would look the faster on the very steps it was worst at."""
     node, k = 0, 0
     for token in written:
-        child = next((c for c in tree.children[node] if tree.tokens[c] == token), None)
+        child = tree.child_with_token(node, token)
         if child is None:
             return k + 1
         node, k = child, k + 1

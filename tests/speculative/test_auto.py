@@ -60,6 +60,19 @@ def _auto(target_cost: tuple, draft_cost: tuple, draft: np.ndarray = DRAFT) -> E
     return engine
 
 
+def _plant(engine: Engine, planted: type[Planner],
+           rates: list[tuple[StepKind, int, float]]) -> Planner:
+    """``engine``'s costs measured and its planner a ``planted`` one (a subclass that keeps
+    its rates: the fakes' own steps take microseconds of Python), given five steps of each of
+    ``rates`` (kind, tokens, seconds) through ``Planner.observe_step``."""
+    engine.measure_cost()
+    planner = engine.planner = planted(engine.res.sizer)
+    for _ in range(5):
+        for kind, tokens, seconds in rates:
+            Planner.observe_step(planner, kind, tokens, seconds)
+    return planner
+
+
 
 
 def test_ngram_trees_grow_only_nodes_that_could_pay() -> None:
@@ -170,12 +183,9 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
                 self.idle[k] = 0 if k is kind else self.idle[k] + 1
 
     engine = _auto(FLAT, CHEAP_DRAFT)
-    engine.measure_cost()
-    planner = engine.planner = Planted(engine.res.sizer)
-    for _ in range(5):
-        Planner.observe_step(planner, StepKind.ROOT, 1, 0.01)      # 100 tokens/s alone
-        Planner.observe_step(planner, StepKind.DRAFT, 2, 0.04)     # 50 with the draft
-        Planner.observe_step(planner, StepKind.GUESSES, 3, 0.02)   # 150 with the n-gram's
+    planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 0.01),      # 100 tokens/s alone
+                                       (StepKind.DRAFT, 2, 0.04),     # 50 with the draft
+                                       (StepKind.GUESSES, 3, 0.02)])  # 150 with the n-gram's
     run = RunStats()
     assert _generate(engine, PROMPTS[4], 12, run=run) == _plain(PROMPTS[4], 12)
     assert set(planner.taken) == {StepKind.GUESSES}
@@ -199,12 +209,8 @@ def test_a_draft_step_that_paid_for_the_draft_verifies_its_best_node() -> None:
             pass
 
     engine = _auto((1.0, 2.4, 3.2, 4.0, 7.0, 13.0), CHEAP_DRAFT)
-    engine.measure_cost()
-    planner = engine.planner = Planted(engine.res.sizer)
-    for _ in range(5):
-        Planner.observe_step(planner, StepKind.ROOT, 1, 0.04)
-        Planner.observe_step(planner, StepKind.GUESSES, 1, 0.04)
-        Planner.observe_step(planner, StepKind.DRAFT, 3, 0.02)
+    _plant(engine, Planted, [(StepKind.ROOT, 1, 0.04), (StepKind.GUESSES, 1, 0.04),
+                             (StepKind.DRAFT, 3, 0.02)])
     run = RunStats()
     for prompt in PROMPTS[4:8]:
         assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16)
@@ -230,12 +236,8 @@ def test_the_ngram_kind_verifies_its_best_node_as_the_ngram_mode_does() -> None:
     drafted = {}
     for name, curve in (("steeper", steeper), ("flat", FLAT)):
         engine = _auto(curve, CHEAP_DRAFT)
-        engine.measure_cost()
-        planner = engine.planner = Planted(engine.res.sizer)
-        for _ in range(5):
-            Planner.observe_step(planner, StepKind.ROOT, 1, 0.01)
-            Planner.observe_step(planner, StepKind.DRAFT, 2, 0.04)
-            Planner.observe_step(planner, StepKind.GUESSES, 3, 0.02)
+        planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 0.01), (StepKind.DRAFT, 2, 0.04),
+                                           (StepKind.GUESSES, 3, 0.02)])
         planner.kinds.clear()
         run = RunStats()
         for prompt in PROMPTS[4:8]:
