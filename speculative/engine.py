@@ -12,6 +12,7 @@ output stays exact because each step is exact on its own.
 from __future__ import annotations
 
 import collections
+import copy
 import dataclasses
 import logging
 import time
@@ -63,10 +64,17 @@ class Learned:
     """What an engine measured of this machine and these models while it ran: ``auto``'s
     planner (with the sizer's running estimates) and the calibrations of who drafts. An app
     keeps its engine, and so this, across replies; a benchmark that makes an engine per reply
-    hands it on (``Engine.adopt``)."""
+    hands it on (``Engine.adopt``). With it, the time a step with the target alone spends
+    outside its pass, which the meter's counterfactual adds to a pass."""
 
     planner: Planner | None
     calibrations: Calibrations
+    overhead: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
+
+    def copy(self) -> Learned:
+        """A snapshot: an engine that adopts it learns on in its own copy, and this stays as
+        it was (the app's race replays a reply from what the engine knew when it began)."""
+        return copy.deepcopy(self)
 
 
 def _forwarded(name: str) -> property:
@@ -117,13 +125,14 @@ class Engine:
     oracle = _forwarded("oracle")  # Mode.ORACLE's drafter: the target's own continuation
 
     def learned(self) -> Learned:
-        return Learned(self.res.planner, self.res.calibrations)
+        return Learned(self.res.planner, self.res.calibrations, self._overhead)
 
     def adopt(self, learned: Learned) -> None:
         """Carry on from what another engine on the same models learned (``Learned``)."""
         self.res.planner = learned.planner
         self.res.sizer = learned.planner.sizer if learned.planner is not None else None
         self.res.calibrations = learned.calibrations
+        self._overhead = learned.overhead
 
     def memory(self) -> dict[str, Any]:
         """What this engine learned, as JSON-able data for a later run of a program on the same

@@ -8,7 +8,10 @@ statistics panel shows, then a race of plain decoding against the mode on the sa
 (measured side by side). Prints both and their ratio, per prompt and pooled; and the estimate
 of the race's own speculative run (its first round) against the race: ``auto`` learns from
 the reply and may run the race otherwise (drafting where the reply ran the target alone),
-so that ratio is the meter's error alone. ``--busy N``
+so that ratio is the meter's error alone. Where the two part, ``reply_time`` (the reply's
+time for the race's tokens over the race's speculative run's, first round) and ``reply_plain``
+/ ``race_plain`` (each run's counterfactual plain time per token over plain's in the race's
+first round) say which side moved. ``--busy N``
 starts a process that keeps one core busy for the first N seconds of each reply, as another
 program on a shared desktop would: the estimate must follow the load of the moment.
 """
@@ -29,8 +32,10 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")  # a measurement: no windo
 from PySide6.QtCore import QEventLoop, QTimer
 
 from app.main import create_app, open_window
+from app.replies import stored_run
 from app.tools.bench import PROMPT_SETS, load_prompts
 from app.ui.main_window import MainWindow
+from speculative.stats import RunStats
 
 BUSY = "import time\nend = time.time() + {seconds}\nwhile time.time() < end: pass\n"
 
@@ -60,10 +65,28 @@ def one(window: MainWindow, prompt: str, busy: float) -> dict[str, float]:
     assert race is not None and race.result is not None
     result = race.result
     race.close()
+    reply = stored_run(stats)
+    n = result.tokens
+    plain, spec = result.plain.run, result.speculative.run
     return {"estimate": float(stats.get("estimated_speedup", 0.0)), "race": result.speedup,
-            "tokens": result.tokens, "tau": float(stats.get("tau", 0.0)),
-            "race_estimate": result.speculative.run.estimated_speedup(),
-            "race_tau": result.speculative.run.tau}
+            "tokens": n, "tau": float(stats.get("tau", 0.0)),
+            "race_estimate": spec.estimated_speedup(), "race_tau": spec.tau,
+            # where a reply and its race part: the reply's own time for the race's tokens over
+            # the race's speculative run's (first round), and the reply's counterfactual plain
+            # time per token over what plain took in the race's first round
+            "reply_time": (reply.seconds_until(n) / spec.seconds_until(n)
+                           if reply is not None and spec.seconds_until(n) else 0.0),
+            "reply_plain": (_counterfactual(reply) / (plain.seconds / plain.tokens)
+                            if reply is not None and plain.tokens else 0.0),
+            "race_plain": (_counterfactual(spec) / (plain.seconds / plain.tokens)
+                           if plain.tokens else 0.0),
+            "reply_tokens": reply.tokens if reply is not None else 0}
+
+
+def _counterfactual(run: RunStats) -> float:
+    """Plain decoding's seconds per token as ``run``'s steps estimated it."""
+    plain = sum(s.t_plain * (s.emitted / (s.accepted + 1)) for s in run.steps)
+    return plain / run.tokens if run.tokens else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:

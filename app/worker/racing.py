@@ -12,12 +12,23 @@ either side's pooled time is under ``RACE_SECONDS``, both run again, the order a
 (speculation first, then plain first, ...) so that a warm-up or a drift favours neither; the
 verdict pools every round's time for the same tokens. The replay shows the first round.
 
+The race measures the reply it races, as the meter estimated it: every run starts from what
+the engine had learned when that reply began (``Engine.learned``, a snapshot the worker keeps),
+in an engine of its own on the pair's contexts with a fresh copy of the n-gram model that
+learns only this prompt. Run on the app's engine, the race's speculation would know the
+answer (the n-gram model learns every text the engine writes: the reply's, then each round's,
+the same text again when greedy), and ``auto`` would run the later rounds on what the earlier
+ones taught it: faster than the reply ran, and each round another measure. The app's engine
+learns nothing from a race either: many runs of one prompt would tilt what it knows of chat in
+general. Settings changed during a race apply to the next reply, not to the race's runs.
+
 Plain Python, run on the engine's thread by ``EngineWorker``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import copy
 import dataclasses
 from collections.abc import Callable, Iterator
 
@@ -25,7 +36,7 @@ from app.prompting import FORMATS
 from app.worker.messages import ChatRequest, RaceResult, RaceRun
 from app.worker.replying import LiveSettings, prompt_for, steps
 from speculative.divergence import explain
-from speculative.engine import Engine, Step
+from speculative.engine import Engine, Learned, Step
 from speculative.loading import ModelPair
 from speculative.penalties import penalizer_for
 from speculative.policies import Mode
@@ -42,19 +53,23 @@ class RaceStopped(Exception):
     """Stop was pressed during the race."""
 
 
-def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettings,
+def race(engine: Engine, pair: ModelPair, request: ChatRequest, start: Learned,
          cancelled: Callable[[], bool], progress: Progress,
          status: Callable[[str], None]) -> RaceResult:
-    """Both runs, and where their greedy texts part (whether the target's own logits tie
-    there). The engine's settings are the request's again afterwards."""
+    """Both runs, each from ``start`` (what ``engine`` had learned when the raced reply began;
+    left as it is), and where their greedy texts part (whether the target's own logits tie
+    there). ``engine``'s caches are emptied afterwards: the race's engines used its contexts."""
     prompt = prompt_for(pair, engine, request)
     runs = []
-    modes = (Mode.PLAIN, engine.config.mode)
+    spec = request.settings.spec()
+    modes = (Mode.PLAIN, spec.mode)
     rounds: list[tuple[float, float]] = []
+    ngram = pair.new_ngram()  # each run's copy of it learns only this prompt and its own text
 
     def run_once(mode: Mode, run: RunStats) -> Iterator[Step]:
-        engine.config = dataclasses.replace(request.settings.spec(), mode=mode)
-        return steps(engine, pair, request, prompt, live, cancelled, run,
+        racer = pair.engine(dataclasses.replace(spec, mode=mode), start.copy(),
+                            copy.deepcopy(ngram))
+        return steps(racer, pair, request, prompt, LiveSettings(), cancelled, run,
                      stop_at_end_of_text=False)
 
     try:
@@ -77,15 +92,16 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, live: LiveSettin
                 seconds[side] = run.seconds_until(n)
             rounds.append((seconds[0], seconds[1]))
             pooled = [p + s for p, s in zip(pooled, seconds, strict=True)]
-    finally:
-        engine.config = request.settings.spec()
-    why = None
-    params = request.settings.sampling(request.seed, FORMATS[request.format])
-    if params.greedy and runs[0].tokens != runs[1].tokens:
-        vocab = pair.target.vocab
-        why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
-                      penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
-        engine.target.reset()  # the replays used its cache
+        why = None
+        params = request.settings.sampling(request.seed, FORMATS[request.format])
+        if params.greedy and runs[0].tokens != runs[1].tokens:
+            vocab = pair.target.vocab
+            why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
+                          penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
+    finally:  # the race's engines and the replays filled the contexts the caches describe
+        engine.target.reset()
+        if engine.draft is not None:
+            engine.draft.reset()
     return RaceResult(request.request_id, *runs, why, request.settings.temperature,
                       tuple(rounds))
 

@@ -29,7 +29,7 @@ from app.settings import AppSettings
 from app.worker import loading, racing
 from app.worker.messages import ChatRequest, ModelInfo, ReplyFailed, ReplyStarted
 from app.worker.replying import LiveSettings, Reply, prompt_for, steps
-from speculative.engine import Engine
+from speculative.engine import Engine, Learned
 from speculative.errors import ContextOverflow, IncompatibleModels, LlamaError
 from speculative.loading import ModelPair
 
@@ -62,6 +62,9 @@ class EngineWorker(QObject):
         self._engine: Engine | None = None
         self._settings: AppSettings | None = None
         self._info: ModelInfo | None = None
+        # the last reply's conversation (as a race of it sends it) and what the engine had
+        # learned when it began: a race of that reply starts from there (``racing``)
+        self._reply_start: tuple[tuple, Learned] | None = None
 
     # --- called from the GUI thread directly (thread-safe) ---
     def cancel(self, upto: int = sys.maxsize) -> None:
@@ -94,6 +97,7 @@ class EngineWorker(QObject):
             engine = self._ready(request.settings)
             assert self._pair is not None
             prompt = prompt_for(self._pair, engine, request)
+            self._reply_start = (_raced(request), engine.learned().copy())
             self.started.emit(ReplyStarted(request.request_id, len(prompt.tokens),
                                            prompt.dropped, engine.config.mode.value))
             self.status.emit("Generating…")
@@ -118,7 +122,10 @@ class EngineWorker(QObject):
         try:
             engine = self._ready(request.settings)
             assert self._pair is not None
-            result = racing.race(engine, self._pair, request, self._live,
+            key, start = self._reply_start or (None, None)
+            if key != _raced(request) or start is None:  # not the last reply's: from now
+                start = engine.learned().copy()
+            result = racing.race(engine, self._pair, request, start,
                                  self._stopper(request),
                                  lambda mode, n: self.race_progress.emit(request.request_id,
                                                                          mode, n),
@@ -129,10 +136,7 @@ class EngineWorker(QObject):
         except Exception as exc:
             log.exception("race failed")
             self._failed(request, exc, None)
-        finally:
-            if self._engine is not None and self._settings is not None:
-                self._engine.config = self._settings.spec()
-            self._remember()
+        finally:  # the race's engines learned, not this one: nothing new to remember
             self.status.emit("Ready" if self._engine is not None else "No model loaded")
 
     @Slot(object)
@@ -211,6 +215,12 @@ class EngineWorker(QObject):
         if self._pair is not None:
             self._pair.close()
         self._pair = self._engine = self._info = None
+
+
+def _raced(request: ChatRequest) -> tuple:
+    """What identifies a reply to a race of it: the conversation before it, its format and
+    models (a race sends the conversation up to its last message of the user's)."""
+    return request.messages, request.format, request.continuing, request.settings.model_key()
 
 
 class EngineController(QObject):

@@ -174,6 +174,49 @@ def test_a_sampled_race_compares_runs_of_the_same_length(qtbot, data_dir: Path) 
     window.close()
 
 
+def test_a_race_replays_the_reply_without_knowing_its_text(qtbot, data_dir: Path) -> None:
+    """The race's speculation starts where the reply did: its n-gram model has not learned the
+    reply's text (the app's has: it learns every text it writes), so a fixed-size n-gram tree
+    takes the same tokens step for step as in the reply; and every further round replays it
+    the same way, rather than knowing the text by then."""
+    from app.replies import stored_run
+
+    window = _open(qtbot, data_dir, mode="ngram", adaptive=False, max_tokens=48)
+    _reply(qtbot, window, PROMPT)
+    reply = _last_reply(window)
+    run = stored_run(reply.stats)
+    assert run is not None and len(run.steps) > 2
+    with qtbot.waitSignal(window.race_done, timeout=REPLY_MS):
+        window.race()
+    result = window.race_window.result
+    raced = result.speculative
+    assert raced.tokens[:len(reply.tokens)] == reply.tokens
+    whole = run.steps[:-1]  # the reply's last step may end at a stop mid-way
+    assert [s.accepted for s in raced.run.steps[:len(whole)]] == [s.accepted for s in whole]
+    assert any(s.accepted < s.drafted for s in whole)  # there was something left to learn
+    window.close()
+
+
+def test_the_apps_engine_learns_nothing_from_a_race(qtbot, data_dir: Path) -> None:
+    """Many runs of one prompt would tilt what ``auto`` knows of chat in general: the engine
+    that writes the replies is as the reply left it, and writes the same text after the race
+    (the race's engines used its contexts: its caches were emptied)."""
+    window = _open(qtbot, data_dir, mode="auto", max_tokens=32)
+    _reply(qtbot, window, PROMPT)
+    first = _last_reply(window).text
+    engine = window.controller.worker._engine
+    before = json.dumps(engine.memory(), sort_keys=True)
+    with qtbot.waitSignal(window.race_done, timeout=REPLY_MS):
+        window.race()
+    assert window.race_window.result.rounds  # several runs of the prompt
+    assert json.dumps(engine.memory(), sort_keys=True) == before
+    window.regenerate()
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        pass
+    assert _last_reply(window).text == first
+    window.close()
+
+
 @pytest.mark.parametrize("tie", [True, False])
 def test_a_race_whose_texts_part_says_whether_at_a_tie(qtbot, tie: bool) -> None:
     """Greedy texts that differ: the race says where, and whether the target's own logits tie
