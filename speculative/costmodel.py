@@ -582,6 +582,7 @@ class PassLoads:
             maxlen=PASS_WINDOW)
         self.drafted: collections.deque[tuple[float, float]] = collections.deque(
             maxlen=PASS_WINDOW)
+        self.known = 1.0  # the last factor measured on enough recent passes of both kinds
 
     def add(self, batch: int, load: float, now: float | None = None) -> None:
         """A pass of ``batch`` tokens that took ``load`` times the curve's price."""
@@ -590,20 +591,36 @@ class PassLoads:
                 (time.monotonic() if now is None else now, load))
 
     def clear(self) -> None:
-        """Forget every pass (the curve they were priced by was replaced)."""
+        """Forget every pass and the factor (the curve they were priced by was replaced)."""
         self.single.clear()
         self.drafted.clear()
+        self.known = 1.0
 
     def drafted_factor(self, now: float | None = None) -> float:
-        """Drafted passes' median load over single tokens' (1 until each kind has
-        ``PASS_MIN`` recent passes), within ``PASS_FACTOR_RANGE``."""
+        """Drafted passes' median load over single tokens', within ``PASS_FACTOR_RANGE``;
+        while either kind has fewer than ``PASS_MIN`` recent passes, the last factor so
+        measured (``known``; 1 before any). Each load is over the curve, so the machine's
+        load of the moment scales both kinds of a comparison alike: only passes timed in the
+        same minutes are compared, but the ratio they gave stays true while one kind is not
+        running (``auto`` drafting every step, a reply after a pause)."""
         now = time.monotonic() if now is None else now
         recent = [[load for t, load in passes if now - t <= PASS_HORIZON]
                   for passes in (self.single, self.drafted)]
         if min(len(r) for r in recent) < PASS_MIN:
-            return 1.0
+            return self.known
         low, high = PASS_FACTOR_RANGE
-        return min(max(float(np.median(recent[1])) / float(np.median(recent[0])), low), high)
+        self.known = min(max(float(np.median(recent[1])) / float(np.median(recent[0])), low),
+                         high)
+        return self.known
+
+    def recall(self, factor: object) -> None:
+        """Start from a factor an earlier run measured (``known``); ValueError for one that is
+        not a number within ``PASS_FACTOR_RANGE``."""
+        value = float(factor)  # type: ignore[arg-type]
+        low, high = PASS_FACTOR_RANGE
+        if not low <= value <= high:
+            raise ValueError(f"not a drafted passes' factor: {factor!r}")
+        self.known = value
 
 
 @dataclasses.dataclass(slots=True)

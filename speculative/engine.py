@@ -12,6 +12,7 @@ output stays exact because each step is exact on its own.
 from __future__ import annotations
 
 import collections
+import contextlib
 import copy
 import dataclasses
 import logging
@@ -136,12 +137,14 @@ class Engine:
 
     def memory(self) -> dict[str, Any]:
         """What this engine learned, as JSON-able data for a later run of a program on the same
-        models and machine (``recall``): ``auto``'s planner, the calibrations, and the draft's
-        running confidence."""
+        models and machine (``recall``): ``auto``'s planner, the calibrations, the draft's
+        running confidence, and what drafted passes cost beyond the curve against single
+        tokens (``PassLoads.known``)."""
         res = self.res
         return {"planner": res.planner.memory() if res.planner is not None else None,
                 "calibrations": res.calibrations.memory(),
-                "confidence": res.sizer.confidence.memory() if res.sizer is not None else None}
+                "confidence": res.sizer.confidence.memory() if res.sizer is not None else None,
+                "drafted_factor": self.passes.known}
 
     def recall(self, memory: Mapping[str, Any]) -> None:
         """Carry on from ``memory()`` of an earlier run, each measurement weighing a few
@@ -156,11 +159,14 @@ class Engine:
             confidence = (res.sizer.confidence.recalled(memory["confidence"], RECALL_STEPS)
                           if memory["confidence"] is not None else res.sizer.confidence)
             planner = memory["planner"]
+            factor = float(memory.get("drafted_factor", self.passes.known))
         except (KeyError, TypeError) as exc:
             raise ValueError(f"not an engine's memory: {exc!r}") from exc
         if planner is not None:
             res.planner.recall(planner)
         res.calibrations, res.sizer.confidence = calibrations, confidence
+        with contextlib.suppress(ValueError):  # out of range: measured afresh
+            self.passes.recall(factor)
 
     def check(self, config: SpecConfig) -> None:
         if config.mode.needs_draft and self.draft is None:

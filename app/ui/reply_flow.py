@@ -137,12 +137,15 @@ class ReplyController(QObject):
     def _request(self, conversation_id: int, kind: str,
                  continued: Message | None = None) -> int | None:
         messages = self.history.messages(conversation_id)
+        raced = 0  # the length of the reply a race races (0: none, the settings' length)
         if kind == "race":
             while messages and messages[-1].role != "user":
-                messages.pop()
+                raced = len(messages.pop().tokens)
         if not messages:
             return None
         settings = self._settings()
+        if raced:  # the race measures the reply the meter estimated: its tokens, no more
+            settings = dataclasses.replace(settings, max_tokens=raced)
         seed = settings.seed if settings.seed >= 0 else random.randrange(2**31)
         request = ChatRequest(self.engine.new_id(), tuple((m.role, m.text) for m in messages),
                               self._format(), settings, seed, continuing=kind == "continue")

@@ -23,8 +23,17 @@ from speculative.loading import ModelPair, check_compatible, open_pair
 from speculative.policies import Mode
 from speculative.stats import RunStats
 
-# A sample of plain decoding, timed when models load: the basis of the estimated speedup.
-_CALIBRATION_PROMPT = "def main():\n"
+# A sample of plain decoding, timed when models load: the basis of the estimated speedup for
+# steps without a counterfactual of their own. Its prompt is longer than the context the cost
+# curve is timed after, so that its passes are also single tokens the meter's correction for
+# drafted passes compares with (``PassLoads``): a first reply that drafts every step has no
+# others.
+_CALIBRATION_PROMPT = ("import sys\n\n\ndef read_numbers(path):\n"
+                       '    """Return the numbers in the file at path, one per line."""\n'
+                       "    numbers = []\n    with open(path) as f:\n        for line in f:\n"
+                       "            line = line.strip()\n            if line:\n"
+                       "                numbers.append(float(line))\n    return numbers\n\n\n"
+                       "def main():\n")
 _CALIBRATION_TOKENS = 24
 
 
@@ -140,6 +149,8 @@ def time_plain(engine: Engine, pair: ModelPair) -> float:
     run = RunStats()
     try:
         prompt = pair.target.vocab.tokenize(_CALIBRATION_PROMPT)
+        room = engine.target.ctx.n_ctx - _CALIBRATION_TOKENS - 1  # the window, less the sample
+        prompt = prompt[-max(1, room):]
         for _ in engine.generate(prompt, _CALIBRATION_TOKENS, run=run):
             pass
     finally:

@@ -162,8 +162,7 @@ def test_drafted_passes_that_cost_more_than_the_curve_says_correct_the_meter(
         assert staged.passes is pair.passes
         assert len(pair.passes.single) >= 8 and len(pair.passes.drafted) >= 1
 
-        pair.passes.single.clear()
-        pair.passes.drafted.clear()
+        pair.passes.clear()
         single = staged._single_pass(4, 4, t_verify=0.010)
         for _ in range(PASS_MIN):
             pair.passes.add(1, 1.0)
@@ -182,10 +181,43 @@ def test_pass_loads_compare_recent_passes_of_each_kind_within_bounds() -> None:
     loads.add(1, 1.0, now=10.0)
     loads.add(3, 1.3, now=10.0)
     assert loads.drafted_factor(now=10.0) == pytest.approx(1.3)
-    assert loads.drafted_factor(now=10.0 + PASS_HORIZON + 1) == 1.0  # all too old
+    # all too old: the last factor measured (a ratio of passes timed in the same minutes)
+    assert loads.drafted_factor(now=10.0 + PASS_HORIZON + 1) == pytest.approx(1.3)
     for _ in range(PASS_MIN):
         loads.add(2, 9.0, now=20.0)
     assert loads.drafted_factor(now=20.0) == PASS_FACTOR_RANGE[1]  # a disturbed moment
     loads.add(1, float("nan"))
     loads.add(1, 0.0)
     assert len(loads.single) == PASS_MIN  # neither counts
+    loads.clear()  # a new curve: the factor was a ratio over the old one
+    assert loads.drafted_factor(now=20.0) == 1.0
+
+
+def test_the_drafted_passes_factor_carries_over_to_the_next_run(tiny_models, tmp_path,
+                                                                monkeypatch) -> None:
+    """A first reply that drafts every step times no single tokens to compare its passes
+    with: the factor the last run measured stands in (and one out of range is not taken)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    spec = SpecConfig(mode=Mode.AUTO)
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], _config(),
+                   ngram_optional=True) as pair:
+        pair.measure_costs(spec)
+        engine = pair.engine(spec)
+        for _ in range(PASS_MIN):
+            pair.passes.add(1, 1.0)
+            pair.passes.add(4, 1.4)
+        assert pair.passes.drafted_factor() == pytest.approx(1.4)
+        pair.remember(engine)
+    with open_pair(tiny_models["q8_0-target"], tiny_models["q8_0-draft"], _config(),
+                   ngram_optional=True) as pair:
+        pair.measure_costs(spec)
+        engine = pair.engine(spec)
+        assert engine.passes.drafted_factor() == 1.0
+        assert pair.recall(engine)
+        assert not pair.passes.single and engine.passes.drafted_factor() == pytest.approx(1.4)
+        assert engine._single_pass(4, 4, 0.010) == pytest.approx(
+            0.010 * engine.res.sizer.curve.curve(1) / engine.res.sizer.curve.curve(4) / 1.4)
+        memory = engine.memory()
+        engine.passes.clear()
+        engine.recall({**memory, "drafted_factor": 50.0})
+        assert engine.passes.drafted_factor() == 1.0
