@@ -87,6 +87,19 @@ class KVTree:
         self._next_seq = 1
         self._nodes = 0
 
+    def keep(self, text: Sequence[int]) -> None:
+        """Keep what the cache shares with ``text`` and forget the rest, every other sequence's
+        cells included: after another cache on this context (another engine's) decoded
+        ``text`` from position 0 in sequence 0 and went on past it, its first positions hold
+        the same tokens as this one's, the rest is the other's."""
+        shared = _common_prefix(self.tokens, text)
+        self.ctx.seq_keep(0)
+        self.ctx.seq_rm(0, shared, -1)
+        del self.tokens[shared:]
+        self.tip_logits = None
+        self._next_seq = 1
+        self._nodes = 0
+
     def reset(self) -> None:
         """Empty the cache (after someone else, e.g. a cost measurement, used the context)."""
         self.ctx.clear()

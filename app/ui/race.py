@@ -154,8 +154,9 @@ class RaceWindow(QDialog):
         elif why is not None:
             same += f" from token {why.index}, and NOT at a tie: please report this"
         self.status.setText(f"Measured one after the other with the same seed; replayed on one "
-                            f"clock. Both wrote {result.tokens} tokens (the end-of-text token "
-                            f"does not stop a race); {same}.")
+                            f"clock, each from where the reply began. Both wrote {result.tokens} "
+                            f"tokens (a race runs to its reply's length: the end-of-text token "
+                            f"does not stop it); {same}.")
         self._start_replay()
 
     def _start_replay(self) -> None:

@@ -58,7 +58,8 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, start: Learned,
          status: Callable[[str], None]) -> RaceResult:
     """Both runs, each from ``start`` (what ``engine`` had learned when the raced reply began;
     left as it is), and where their greedy texts part (whether the target's own logits tie
-    there). ``engine``'s caches are emptied afterwards: the race's engines used its contexts."""
+    there). ``engine``'s caches keep the prompt only afterwards: the race's engines used their
+    contexts."""
     prompt = prompt_for(pair, engine, request)
     runs = []
     spec = request.settings.spec()
@@ -92,18 +93,33 @@ def race(engine: Engine, pair: ModelPair, request: ChatRequest, start: Learned,
                 seconds[side] = run.seconds_until(n)
             rounds.append((seconds[0], seconds[1]))
             pooled = [p + s for p, s in zip(pooled, seconds, strict=True)]
-        why = None
-        params = request.settings.sampling(request.seed, FORMATS[request.format])
-        if params.greedy and runs[0].tokens != runs[1].tokens:
-            vocab = pair.target.vocab
-            why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
-                          penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
-    finally:  # the race's engines and the replays filled the contexts the caches describe
-        engine.target.reset()
-        if engine.draft is not None:
-            engine.draft.reset()
+    except RaceStopped:  # between steps: the contexts are as the last step left them
+        _keep(engine, prompt.tokens)
+        raise
+    except BaseException:  # maybe mid-step: nothing in the contexts is sure
+        for cache in (engine.target, engine.draft):
+            if cache is not None:
+                cache.reset()
+        raise
+    _keep(engine, prompt.tokens)
+    why = None
+    params = request.settings.sampling(request.seed, FORMATS[request.format])
+    if params.greedy and runs[0].tokens != runs[1].tokens:
+        vocab = pair.target.vocab
+        why = explain(engine.target.ctx, prompt.tokens, runs[0].tokens, runs[1].tokens,
+                      penalizer_for(params, vocab.n_vocab, vocab.tokens_containing))
+        engine.target.reset()  # the replays used its context
     return RaceResult(request.request_id, *runs, why, request.settings.temperature,
                       tuple(rounds))
+
+
+def _keep(engine: Engine, prompt: list[int]) -> None:
+    """The race's engines decoded the prompt from the start, then text of their own, into the
+    contexts ``engine``'s caches describe: they keep the prompt (the next turn reads it again)
+    and forget the rest."""
+    for cache in (engine.target, engine.draft):
+        if cache is not None:
+            cache.keep(prompt)
 
 
 def _timed_run(mode: str, timed: Iterator[Step], pair: ModelPair, run: RunStats,

@@ -201,7 +201,7 @@ def test_a_race_replays_the_reply_without_knowing_its_text(qtbot, data_dir: Path
 def test_the_apps_engine_learns_nothing_from_a_race(qtbot, data_dir: Path) -> None:
     """Many runs of one prompt would tilt what ``auto`` knows of chat in general: the engine
     that writes the replies is as the reply left it, and writes the same text after the race
-    (the race's engines used its contexts: its caches were emptied)."""
+    (the race's engines used its contexts: its caches kept the prompt and forgot the rest)."""
     window = _open(qtbot, data_dir, mode="auto", max_tokens=32)
     _reply(qtbot, window, PROMPT)
     first = _last_reply(window).text
@@ -216,6 +216,32 @@ def test_the_apps_engine_learns_nothing_from_a_race(qtbot, data_dir: Path) -> No
         window.race()
     assert window.race_window.result.rounds  # several runs of the prompt
     assert learned() == before
+    window.regenerate()
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        pass
+    assert _last_reply(window).text == first
+    window.close()
+
+
+def test_a_race_stopped_midway_leaves_the_app_writing_as_before(qtbot, data_dir: Path) -> None:
+    """Stop pressed while the race's speculative run writes: the race says it could not
+    finish, the window is idle, and the next reply is the same text as before the race (the
+    race's engines had written into the contexts: the app's caches kept the prompt only)."""
+    window = _open(qtbot, data_dir, max_tokens=64)
+    _reply(qtbot, window, PROMPT)
+    first = _last_reply(window).text
+
+    def stop_midway(_request_id: int, mode: str, tokens: int) -> None:
+        if mode != "plain" and tokens >= 4:
+            window.stop()
+
+    window.controller.worker.race_progress.connect(stop_midway)
+    with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
+        window.race()
+    window.controller.worker.race_progress.disconnect(stop_midway)
+    assert window.race_window.result is None
+    assert "could not finish" in window.race_window.status.text()
+    assert window.send_button.text() == "Send"
     window.regenerate()
     with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
         pass

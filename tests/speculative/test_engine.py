@@ -408,3 +408,24 @@ def test_trees_grow_as_big_as_the_cost_curve_pays_for(mode: Mode) -> None:
             assert _generate(engine, prompt, 30, run=run) == _plain(prompt, 30)
         drafted[name] = run.mean_drafted
     assert drafted["flat"] >= 8 and drafted["steep"] <= 4
+
+
+def test_caches_keep_the_text_another_engine_shared_and_forget_the_rest() -> None:
+    """Another engine on the same contexts (the app's race) decodes the prompt from the start
+    and writes a text of its own past it: the first engine's caches keep the prompt
+    (``KVTree.keep``), every cell as they say, and its next turn is plain decoding's."""
+    engine = _engine(Mode.STAGED, adaptive=False)
+    prompt = PROMPTS[7]
+    first = _generate(engine, prompt, 10)
+    other = Engine(engine.target.ctx, engine.draft.ctx, KatzTrigram.build([[1, 2, 3]], V),
+                   SpecConfig(mode=Mode.TREE, tree=TreeBudget(4, 3, 2)))
+    drawn = _generate(other, prompt, 14, params=SamplingParams(temperature=1.0, seed=3))
+    assert drawn[:10] != first  # another text sits where the first engine's was
+    for cache in (engine.target, engine.draft):
+        assert cache.ctx.held(0) != cache.tokens
+        cache.keep(prompt)
+        assert cache.tokens == prompt[:len(cache.tokens)] and cache.ctx.held(0) == cache.tokens
+        assert all(c.seqs == {0} for c in cache.ctx.cells)
+    turn = [*prompt, *first, 5]
+    assert _generate(engine, turn, 12) == _plain(turn, 12)
+    assert engine.target.ctx.held(0) == engine.target.tokens
