@@ -133,7 +133,12 @@ def _panel(p: QPainter, box: QRectF, cell: dict[str, Any], modes: list[str],
         p.setPen(QColor("black"))
         p.drawText(QRectF(box.left() - LABEL_W, y, LABEL_W - 6, ROW - 6),
                    Qt.AlignmentFlag.AlignRight | Qt.AlignmentFlag.AlignVCenter, mode)
-        if s is None:
+        if s is None:  # the row stays, level with the other panels' (llama-speculative
+            # runs greedy only: sampled, its output does not follow the target's distribution)
+            p.setPen(SPREAD)
+            p.drawText(QRectF(plot.left() + 4, y, plot.width(), ROW - 6),
+                       Qt.AlignmentFlag.AlignLeft | Qt.AlignmentFlag.AlignVCenter,
+                       "greedy only" if mode.startswith("native") else "not run")
             continue
         p.fillRect(QRectF(plot.left(), y + 3, x_of(s["speedup"]) - plot.left(), ROW - 12),
                    NATIVE if "draft_max" in s else BAR)
