@@ -92,13 +92,9 @@ class KVTree:
         cells included: after another cache on this context (another engine's) decoded
         ``text`` from position 0 in sequence 0 and went on past it, its first positions hold
         the same tokens as this one's, the rest is the other's."""
-        shared = _common_prefix(self.tokens, text)
-        self.ctx.seq_keep(0)
-        self.ctx.seq_rm(0, shared, -1)
-        del self.tokens[shared:]
+        del self.tokens[_common_prefix(self.tokens, text):]
         self.tip_logits = None
-        self._next_seq = 1
-        self._nodes = 0
+        self.rollback()  # every cell past the shared text, of any sequence
 
     def reset(self) -> None:
         """Empty the cache (after someone else, e.g. a cost measurement, used the context)."""

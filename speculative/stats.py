@@ -144,6 +144,12 @@ class RunStats:
         earlier, e.g. when the models loaded), or make the estimate 0 without it. A step's
         emitted tokens after a stop are not counted. The race in the app and ``staged-chat
         bench`` measure the speedup side by side instead."""
+        plain = self.plain_seconds(plain_seconds_per_token)
+        return plain / self.seconds if self.seconds > 0 else 0.0
+
+    def plain_seconds(self, plain_seconds_per_token: float | None = None) -> float:
+        """The seconds plain decoding would have taken for this run's tokens, as
+        ``estimated_speedup`` counts them; 0 where a step has no estimate."""
         plain = 0.0
         for s in self.steps:
             if s.t_plain > 0:
@@ -152,7 +158,7 @@ class RunStats:
                 plain += s.emitted * plain_seconds_per_token
             else:
                 return 0.0
-        return plain / self.seconds if self.seconds > 0 else 0.0
+        return plain
 
     def time_split(self) -> dict[str, float]:
         return {k: sum(getattr(s, f"t_{k}") for s in self.steps)

@@ -85,8 +85,7 @@ def one(window: MainWindow, prompt: str, busy: float) -> dict[str, float]:
 
 def _counterfactual(run: RunStats) -> float:
     """Plain decoding's seconds per token as ``run``'s steps estimated it."""
-    plain = sum(s.t_plain * (s.emitted / (s.accepted + 1)) for s in run.steps)
-    return plain / run.tokens if run.tokens else 0.0
+    return run.plain_seconds() / run.tokens if run.tokens else 0.0
 
 
 def main(argv: list[str] | None = None) -> int:
