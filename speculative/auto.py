@@ -595,7 +595,8 @@ class AutoPolicy:
         ngram = res.ngram_drafter(step.params, budget)
         if kind is StepKind.GUESSES:
             tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                             res.worth_growing(), step.penalties)
+                             res.worth_growing(), step.penalties,
+                             res.floor(Scorer.NGRAM, step.params), at_least=1)
             tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params,
                                   at_least=1)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
@@ -612,10 +613,12 @@ class AutoPolicy:
                           res.calibrations.factor(Scorer.NGRAM), at_least=1)
             guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
         drafter = res.model_drafter(step.config, staged=True)
-        draft = grow(drafter, step, expand)
+        # sampled, the draft model decodes the root whatever the tree: its best node is
+        # verified, as in the fixed modes (a step that paid for the draft and verified
+        # nothing gets nothing for it)
+        draft = grow(drafter, step, expand, res.floor(Scorer.DRAFT, step.params), at_least=1)
         if guesses is None:  # sampled: a node's children must all come from one q
-            draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params,
-                                   at_least=0)
+            draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
             return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
                                       alternatives=(alone,))
         draft, chain = self.add_guesses(draft, step)

@@ -26,7 +26,9 @@ to the step's context (``VerifyCost.at``).
 
 Exactness: greedy verification is exact for any tree, so greedy steps choose N from their own
 scores. A sampled step must not choose its shape from its own drawn tokens (that would bias
-which draws get verified), so it uses the previous step's scores, drawn independently.
+which draws get verified): it keeps the nodes scoring at least the weakest of the best cut of
+the previous step's candidates, drawn independently, each node's children counted before
+they are drawn (``drafting.grow_tree``).
 """
 
 from __future__ import annotations

@@ -304,10 +304,20 @@ class NgramDrafter:
 class DraftTree:
     tree: TokenTree
     q: dict[int, np.ndarray]  # node -> the draft distribution its children were drawn from
+    # a sampled tree's candidates: the score of every child slot of every expanded node, kept
+    # or not (``grow_tree``); None for a tree whose nodes are its candidates
+    candidates: list[float] | None = None
 
     def scores(self) -> list[float]:
         """Node scores (draft path probabilities), best first, root excluded."""
         return sorted(self.tree.scores[1:], reverse=True)
+
+    def basis(self) -> list[float]:
+        """What a later step's size is chosen from: the candidates' scores (or the nodes'),
+        best first."""
+        if self.candidates is None:
+            return self.scores()
+        return sorted(self.candidates, reverse=True)
 
     def best(self, n: int) -> DraftTree:
         """The tree cut down to its ``n`` best nodes (still a tree: see ``top_nodes``)."""
@@ -323,30 +333,47 @@ with the next draft batch (0 stops growing). ``auto`` mode decides it from the c
 
 def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
               params: SamplingParams, rng: np.random.Generator,
-              expand: Expand | None = None, penalties: StepPenalties | None = None
-              ) -> DraftTree:
+              expand: Expand | None = None, penalties: StepPenalties | None = None,
+              floor: float = 0.0, at_least: int = 0) -> DraftTree:
     """Grow the draft tree best-first, one draft batch per level.
 
     Every expanded node offers ``max_children`` slots. Slot i of node u scores
     ``score(u) * a(q_u[i-th largest], i == 1)``, ``a`` the drafter's ``acceptance`` (the
     probability itself without one): the estimated chance that the target accepts the path,
     from the draft's probability of each node on it (greedy) or of the i-th most likely token
-    (sampling). The tree is the ``max_nodes`` best slots overall; as scores only fall with
-    depth, a node outside the current best set can never enter it, so each level expands just
-    the nodes inside it. Greedy fills slot i with the i-th most likely token; sampling fills the
-    slots with draws *without replacement* from q_u. The sampled shape depends on q_u but never
-    on the drawn tokens themselves, which is what keeps tree speculative sampling exact (see
-    ``speculative.verify``). With ``penalties``, each node's draft logits are penalised along
-    its path as the target's will be.
+    (sampling). Each level expands the nodes at its depth among the ``max_nodes`` best (as
+    scores only fall with depth, a node outside the best set can never enter it), as many of
+    them as ``expand`` says.
+
+    Greedy fills slot i with the i-th most likely token, and the tree is the ``max_nodes``
+    best slots overall. Sampling fills the slots with draws *without replacement* from q_u,
+    and the tree only grows: how many children a node gets is fixed before they are drawn and
+    never revised (its leading slots scoring at least ``floor``, the root's first whatever its
+    score when ``at_least``; a level's slots best first while the ``max_nodes`` budget has
+    room). Which
+    of a node's siblings are verified then never depends on the sibling's own draw or on what
+    grew below it, which is what keeps tree speculative sampling exact (``speculative.verify``);
+    a tree cut to its best nodes after growing would keep a later sibling more often when an
+    earlier one's subtree grew less, and so by what was drawn. ``candidates`` keeps every
+    slot's score, kept or not, for sizing the next step. With ``penalties``, each node's
+    draft logits are penalised along its path as the target's will be.
     """
     root = drafter.begin(committed)
     tree = TokenTree.rooted(committed[-1])
     q: dict[int, np.ndarray] = {}
+    candidates: list[float] = []
     frontier, dists = [0], [root]
     for depth in range(1, budget.max_depth + 1):
-        for u, logits in zip(frontier, dists, strict=True):
-            _add_children(tree, u, logits, budget.max_children, params, rng, drafter, q,
-                          penalties)
+        level = [_slots(tree, u, logits, budget.max_children, params, drafter, q, penalties)
+                 for u, logits in zip(frontier, dists, strict=True)]
+        if params.greedy:
+            for slots in level:
+                slots.place(tree, drafter, len(slots.scores), rng)
+        else:
+            candidates += [c for slots in level for c in slots.scores]
+            room = budget.max_nodes - (len(tree) - 1)
+            for slots, n in zip(level, _counts(level, floor, at_least, room), strict=True):
+                slots.place(tree, drafter, n, rng)
         best = tree.top_nodes(budget.max_nodes)
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
         if expand is not None and frontier and depth < budget.max_depth:
@@ -358,8 +385,28 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
         except DraftExhausted as exc:
             log.debug("tree growth stopped at depth %d: %s", depth, exc)
             break
-    final = tree.top_nodes(budget.max_nodes)
-    return _prune(tree, q, final)
+    if not params.greedy:  # every node kept when it was added
+        return DraftTree(tree, q, candidates)
+    return _prune(tree, q, tree.top_nodes(budget.max_nodes))
+
+
+def _counts(level: Sequence[_Slots], floor: float, at_least: int, room: int) -> list[int]:
+    """How many of each node's slots in a sampled tree's new ``level`` become children,
+    decided from their scores alone (before any is drawn): the level's slots best first,
+    each scoring at least ``floor`` (the root's first whatever its score when
+    ``at_least``) and following its node's slot before it, while there is ``room``."""
+    counts = [0] * len(level)
+    order = sorted(((score, -a, -i) for a, slots in enumerate(level)
+                    for i, score in enumerate(slots.scores)), reverse=True)
+    for score, a, i in order:
+        a, i = -a, -i
+        if room <= 0:
+            break
+        forced = level[a].node == 0 and i < at_least
+        if counts[a] == i and (score >= floor or forced):
+            counts[a] += 1
+            room -= 1
+    return counts
 
 
 def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBudget,
@@ -413,8 +460,9 @@ def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
         if not ready:
             return
         for u in ready:
-            _add_children(tree, u, answers.pop(u), budget.max_children, params, None, drafter,
-                          {}, penalties)
+            slots = _slots(tree, u, answers.pop(u), budget.max_children, params, drafter, {},
+                           penalties)
+            slots.place(tree, drafter, len(slots.scores), None)
             expanded.add(u)
             for c in tree.children[u]:
                 known = drafter.known(tree.path(c))
@@ -422,16 +470,46 @@ def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
                     answers[c] = known
 
 
-def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: SamplingParams,
-                  rng: np.random.Generator | None, drafter: Drafter,
-                  q: dict[int, np.ndarray], penalties: StepPenalties | None = None) -> None:
-    """Give node u its ``k`` child slots (see ``grow_tree``); keep q_u when sampling."""
+@dataclasses.dataclass(slots=True)
+class _Slots:
+    """Node ``node``'s child slots, best first: their draft probabilities and scores; greedy,
+    their tokens; sampled, the distribution ``q`` they are drawn from (over ``support`` when
+    the drafter named its best tokens only)."""
+
+    node: int
+    probs: list[float]
+    scores: list[float]
+    tokens: np.ndarray | None = None
+    q: np.ndarray | None = None
+    support: np.ndarray | None = None
+
+    def place(self, tree: TokenTree, drafter: Drafter, n: int,
+              rng: np.random.Generator | None) -> None:
+        """Add the ``n`` best slots as the node's children: greedy, its best tokens;
+        sampled, ``n`` draws without replacement from ``q``."""
+        tokens = self.tokens
+        if tokens is None:
+            assert self.q is not None and rng is not None
+            if self.support is not None:
+                tokens = self.support[sample_without_replacement(self.q[self.support], n, rng)]
+            else:
+                tokens = np.array(sample_without_replacement(self.q, n, rng), dtype=np.int64)
+        base = tree.path(self.node)
+        for tok, sq, score in zip(tokens.tolist()[:n], self.probs, self.scores, strict=False):
+            tree.add(self.node, tok, score, drafter.origin((*base, tok)), sq)
+
+
+def _slots(tree: TokenTree, u: int, logits: Next, k: int, params: SamplingParams,
+           drafter: Drafter, q: dict[int, np.ndarray],
+           penalties: StepPenalties | None = None) -> _Slots:
+    """Node u's ``k`` child slots (see ``grow_tree``); keeps q_u when sampling."""
     # sampled children from a drafter's best tokens: did they cover every token with any
     # probability (read before the penalties change the probabilities)
     complete = (isinstance(logits, Children) and not params.greedy
                 and logits.probs.sum() >= 1.0 - 1e-9)
     if penalties is not None:
         logits = _penalised(logits, penalties, tree.path(u))
+    tokens = support = None
     if isinstance(logits, Children) and params.greedy:
         tokens, slot_q = logits.tokens[:k], logits.probs[:k]
     elif isinstance(logits, Children):
@@ -440,29 +518,23 @@ def _add_children(tree: TokenTree, u: int, logits: Next, k: int, params: Samplin
         if params.top_k <= 0 or (logits.tokens.size < params.top_k and not complete):
             raise ValueError("a sampled node needs its full distribution or its top-k tokens")
         best = slice(0, params.top_k)
-        support, probs = top_k_support(logits.tokens[best], np.log(logits.probs[best]), params)
+        support, dist = top_k_support(logits.tokens[best], np.log(logits.probs[best]), params)
         q[u] = np.zeros(logits.n_vocab, dtype=np.float64)
-        q[u][support] = probs
-        slot_q = probs[:k]  # best first, as top_k(q[u], k) would read them
-        tokens = support[sample_without_replacement(probs, k, rng)]
+        q[u][support] = dist
+        slot_q = dist[:k]  # best first, as top_k(q[u], k) would read them
     elif params.greedy:
         tokens, slot_q = greedy_children(logits, k)
     else:
         q[u] = distribution(logits, params)
         slot_q = q[u][top_k(q[u], k)]
-        tokens = np.array(sample_without_replacement(q[u], k, rng), dtype=np.int64)
-    base = tree.path(u)
-    probs = slot_q.tolist()
+    probs = [p for p in slot_q.tolist() if p > 0.0]
     accept = getattr(drafter, "acceptance", None)
     # each slot's estimated acceptance given u's; at most one of the siblings is accepted
     chances = probs if accept is None else [accept(p, i == 0) for i, p in enumerate(probs)]
     total = sum(chances)
     if total > 1.0:
         chances = [c / total for c in chances]
-    for tok, sq, chance in zip(tokens.tolist(), probs, chances, strict=False):
-        if sq <= 0.0:
-            break
-        tree.add(u, tok, tree.scores[u] * chance, drafter.origin((*base, tok)), sq)
+    return _Slots(u, probs, [tree.scores[u] * c for c in chances], tokens, q.get(u), support)
 
 
 def _penalised(logits: Next, penalties: StepPenalties, path: Path) -> Next:

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -263,18 +264,26 @@ class Resources:
 
     def right_size(self, draft: DraftTree, scorer: Scorer, t_draft: float,
                    params: SamplingParams, at_least: int = 1) -> DraftTree:
-        """Cut the tree to the size that maximises expected tokens per second (costmodel).
-        Greedy: by this step's own scores; sampled: by the last step's of the same scorer
-        (independent of this step's draws, which keeps the verified tree's shape free of
-        them). ``at_least``: see ``cut``."""
-        scores = draft.scores()
-        basis, t_basis = ((scores, t_draft) if params.greedy
-                          else self.previous.get(scorer, ([], 0.0)))
-        self.previous[scorer] = (scores, t_draft)
-        if not basis:
+        """Greedy: cut the tree to the size that maximises expected tokens per second
+        (costmodel) by its own scores. Sampled: the tree as grown (its size was set before
+        its nodes were drawn: ``floor``); its candidates size the next sampled step of the
+        same scorer. ``at_least``: see ``cut``."""
+        self.previous[scorer] = (draft.basis(), t_draft)
+        if not params.greedy:
             return draft
-        return self.cut(draft, basis, t_basis, self.calibrations.factor(scorer),
+        return self.cut(draft, draft.scores(), t_draft, self.calibrations.factor(scorer),
                         at_least=at_least)
+
+    def floor(self, scorer: Scorer, params: SamplingParams) -> float:
+        """The score a node of a sampled tree needs to be verified: that of the weakest node
+        of the best cut of the last step's candidates of the same scorer (independent of this
+        step's draws; ``grow_tree``), infinite where none paid; greedy trees are cut after
+        growing (0)."""
+        basis, t_draft = self.previous.get(scorer, ([], 0.0))
+        if params.greedy or not basis or self.sizer is None:
+            return 0.0
+        n = best_size(basis, self.sizer.priced, t_draft, self.calibrations.factor(scorer))
+        return basis[n - 1] if n else math.inf
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
             most: int | None = None, at_least: int = 1) -> DraftTree:
@@ -294,16 +303,18 @@ def _ms(cost: VerifyCost) -> dict[int, float]:
     return {n: round(t * 1000, 2) for n, t in zip(cost.sizes, cost.seconds, strict=True)}
 
 
-def grow(drafter: Drafter, step: StepInput, expand: Expand | None) -> DraftTree:
+def grow(drafter: Drafter, step: StepInput, expand: Expand | None, floor: float = 0.0,
+         at_least: int = 0) -> DraftTree:
     """The step's draft tree: greedy with stage-2 guesses, every node whose answer is known
     grows (``grow_staged``: guessed spines cost no draft batch); otherwise one level per
-    batch (``grow_tree``)."""
+    batch (``grow_tree``; sampled, nodes scoring under ``floor`` are not drawn, the root's
+    first child whatever its score when ``at_least``)."""
     assert step.budget is not None
     if (step.params.greedy and isinstance(drafter, ModelDrafter)
             and drafter.lookahead is not None):
         return grow_staged(drafter, step.committed, step.budget, expand, step.penalties)
     return grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand,
-                     step.penalties)
+                     step.penalties, floor, at_least)
 
 
 def scorer_of(drafter: Drafter) -> Scorer:
@@ -357,9 +368,10 @@ class TreePolicy:
         expand = (res.expander(step.budget, staged=self.mode is Mode.STAGED)
                   if sized and self.mode in (Mode.TREE, Mode.STAGED)
                   else res.worth_growing() if sized and self.mode is Mode.NGRAM else None)
-        draft = grow(drafter, step, expand)
         scorer = scorer_of(drafter)
-        if config.adaptive and res.sizer is not None:
+        floor = res.floor(scorer, step.params) if sized else 0.0
+        draft = grow(drafter, step, expand, floor, at_least=1)
+        if sized:
             draft = res.right_size(draft, scorer, drafting_time(drafter), step.params)
         kind = (StepKind.DRAFT if drafter.counters.calls else
                 StepKind.GUESSES if len(draft.tree) > 1 else StepKind.ROOT)

@@ -72,17 +72,22 @@ def exact_joint(params: SamplingParams, prompt: Sequence[int] = PROMPT) -> np.nd
 def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams,
                rng: np.random.Generator, sizing: dict | None = None,
                prompt: Sequence[int] = PROMPT) -> tuple[int, int]:
-    """Two tokens by tree speculative sampling. With ``sizing``, each tree is cut to the size
-    ``best_size`` picks from the *previous* tree's scores, as the engine does when sampling."""
+    """Two tokens by tree speculative sampling. With ``sizing``, each tree keeps the nodes
+    scoring at least the weakest of the best cut (``best_size``) of the *previous* tree's
+    candidates, as the engine sizes sampled trees (``Resources.floor``)."""
     committed, out = list(prompt), []
     penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
     while len(out) < 2:
         penalties = penalizer.step(committed) if penalizer is not None else None
-        draft = grow_tree(drafter, committed, budget, params, rng, penalties=penalties)
+        floor = 0.0
+        if sizing is not None and sizing.get("previous"):
+            basis = sizing["previous"]
+            n = best_size(basis, sizing["cost"], 0.0, 1.0)
+            floor = basis[n - 1] if n else math.inf
+        draft = grow_tree(drafter, committed, budget, params, rng, penalties=penalties,
+                          floor=floor, at_least=1)
         if sizing is not None:
-            previous, sizing["previous"] = sizing.get("previous"), draft.scores()
-            if previous:
-                draft = draft.best(max(1, best_size(previous, sizing["cost"], 0.0, 1.0)))
+            sizing["previous"] = draft.basis()
         tree = draft.tree
         logits = np.array([table_logits(TARGET, [*committed, *tree.path(i)])
                            for i in range(len(tree))])
@@ -192,6 +197,68 @@ def test_trees_sized_by_the_cost_model_stay_exact() -> None:
     assert counts.sum() == 100_000
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+def _level_draft() -> tuple[np.ndarray, np.ndarray]:
+    """A draft and a target where a first child's draft continuation is sure after tokens
+    0-3 and flat after 4-7, the draft likes 0-3 at the root and the target 4-7: which of
+    the root's children a size cut keeps then depends on how sure their continuations are."""
+    sure = np.log(np.array([60.0, 1, 1, 1, 1, 1, 1, 1]))
+    draft, target = np.zeros((V, V, V)), np.zeros((V, V, V))
+    for a in range(V):
+        for b in range(4):
+            draft[a, b] = sure
+    draft[3, 5] = np.log(np.array([5.0, 4, 4, 4, 4, 1, 1, 1]))
+    target[3, 5] = np.log(np.array([1.0, 1, 1, 1, 3, 3, 3, 3]))
+    return draft.astype(np.float32), target.astype(np.float32)
+
+
+def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: int,
+                  seed: int) -> tuple[np.ndarray, np.ndarray]:
+    """Counts of the first token over ``n`` steps after [3, 5] whose trees a sizer-like rule
+    grows (a level is expanded while the frontier's summed score is high), kept at ``floor``
+    while growing, or (``cut_after``) cut to their best nodes once grown; and the target's
+    distribution."""
+    draft, target = _level_draft()
+    drafter = TableDrafter(draft)
+    params = SamplingParams(temperature=1.0)
+
+    def expand(tree, frontier, depth):
+        total = sum(tree.scores[v] for v in frontier)
+        return len(frontier) if depth == 1 or total >= 0.25 else 0
+
+    rng = np.random.default_rng(seed)
+    counts = np.zeros(V, dtype=np.int64)
+    for _ in range(n):
+        grown = grow_tree(drafter, PROMPT, budget, params, rng, expand, floor=floor)
+        if cut_after is not None:
+            grown = grown.best(cut_after)
+        tree = grown.tree
+        logits = np.array([table_logits(target, [*PROMPT, *tree.path(i)])
+                           for i in range(len(tree))])
+        verdict = verify_sampling(tree, logits, grown.q, params, rng)
+        counts[tree.tokens[verdict.accepted[0]] if verdict.accepted else verdict.next_token] += 1
+    return counts, distribution(table_logits(target, PROMPT), params)
+
+
+@pytest.mark.parametrize("budget, floor", [(TreeBudget(3, 3, 2), 0.0),
+                                           (TreeBudget(16, 3, 2), 0.16)],
+                         ids=["room", "floor"])
+def test_sampled_trees_sized_as_they_grow_stay_exact(budget, floor) -> None:
+    """A sampled tree decides how many children a node gets before drawing them: sized by
+    the room left or by a floor on the score, whatever grows below, it stays exact."""
+    counts, want = _first_tokens(budget, floor, None, 60_000, seed=3)
+    ok, stat, critical, dof = chi_square_ok(counts, want)
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+def test_a_sampled_tree_cut_to_its_best_nodes_after_growing_is_biased() -> None:
+    """The check above can fail: cut to its 3 best nodes once grown, a root's second child
+    is kept less often when its own continuation is sure (then the first child's subtree
+    grew deeper and outranks it), so its draw is no longer the draft's."""
+    counts, want = _first_tokens(TreeBudget(16, 3, 2), 0.0, 3, 60_000, seed=3)
+    ok, *_ = chi_square_ok(counts, want)
+    assert not ok
 
 
 def test_chi_square_check_detects_a_biased_sampler() -> None:
