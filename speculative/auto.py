@@ -603,7 +603,8 @@ class AutoPolicy:
                                       alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
         # batches pay against the whole step's drafting time, the n-gram's included)
-        expand = res.expander(budget, staged=True)
+        floor = res.floor(Scorer.DRAFT, step.params)  # sampled trees only
+        expand = res.expander(budget, staged=True, floor=floor)
         guesses = None
         if step.params.greedy:
             ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
@@ -616,7 +617,7 @@ class AutoPolicy:
         # sampled, the draft model decodes the root whatever the tree: its best node is
         # verified, as in the fixed modes (a step that paid for the draft and verified
         # nothing gets nothing for it)
-        draft = grow(drafter, step, expand, res.floor(Scorer.DRAFT, step.params), at_least=1)
+        draft = grow(drafter, step, expand, floor, at_least=1)
         if guesses is None:  # sampled: a node's children must all come from one q
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
             return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,

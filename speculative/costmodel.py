@@ -547,6 +547,23 @@ def best_size(scores: Sequence[float], cost: VerifyCost, t_draft: float,
     return max(range(len(totals)), key=lambda n: totals[n] - (cost(n + 1) - one) / one)
 
 
+def paying_floor(scores: Sequence[float], cost: VerifyCost, t_draft: float,
+                 calibration: float) -> float:
+    """The least score a node needs to pay for its place in a tree like the one ``scores``
+    (best first) offered: at the best cut N* (``best_size``), one more node pays when its
+    estimated acceptance beats the rate it would dilute, R * (cost(N* + 2) - cost(N* + 1)),
+    R the cut's tokens per second (at least the target alone's); the score that reaches it,
+    kept between the weakest node the cut took and the best it left. Infinite where the cut
+    took none (nothing paid)."""
+    n = best_size(scores, cost, t_draft, calibration)
+    if n == 0:
+        return math.inf
+    gained = sum(accepted_estimate(s, calibration) for s in scores[:n])
+    rate = max((1.0 + gained) / (t_draft + cost(n + 1)), 1.0 / cost(1))
+    floor = rate * max(cost(n + 2) - cost(n + 1), 0.0) / max(calibration, 1e-9)
+    return min(max(floor, scores[n] if n < len(scores) else 0.0), scores[n - 1])
+
+
 def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) -> int:
     """Stage-2 guess tokens worth adding to a draft batch of ``batch`` tokens: the g that
     maximises ``hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))`` (a used guess saves

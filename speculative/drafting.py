@@ -350,13 +350,13 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     and the tree only grows: how many children a node gets is fixed before they are drawn and
     never revised (its leading slots scoring at least ``floor``, the root's first whatever its
     score when ``at_least``; a level's slots best first while the ``max_nodes`` budget has
-    room). Which
-    of a node's siblings are verified then never depends on the sibling's own draw or on what
-    grew below it, which is what keeps tree speculative sampling exact (``speculative.verify``);
-    a tree cut to its best nodes after growing would keep a later sibling more often when an
-    earlier one's subtree grew less, and so by what was drawn. ``candidates`` keeps every
-    slot's score, kept or not, for sizing the next step. With ``penalties``, each node's
-    draft logits are penalised along its path as the target's will be.
+    room). Which of a node's siblings are verified then never depends on the sibling's own
+    draw or on what grew below it, which is what keeps tree speculative sampling exact
+    (``speculative.verify``); a tree cut to its best nodes after growing would keep a later
+    sibling more often when an earlier one's subtree grew less, and so by what was drawn.
+    ``candidates`` keeps every slot's score, kept or not, for sizing the next step. With
+    ``penalties``, each node's draft logits are penalised along its path as the target's
+    will be.
     """
     root = drafter.begin(committed)
     tree = TokenTree.rooted(committed[-1])

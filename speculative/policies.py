@@ -10,14 +10,19 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
-import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
 
 import numpy as np
 
-from .costmodel import VerifyCost, best_size, cached_verify_cost, guess_length
+from .costmodel import (
+    VerifyCost,
+    best_size,
+    cached_verify_cost,
+    guess_length,
+    paying_floor,
+)
 from .drafting import (
     Drafter,
     DraftTree,
@@ -215,11 +220,13 @@ class Resources:
         return NgramDrafter(self.ngram, sparse_top(params, budget.max_children),
                             self.calibrations.acceptance[Scorer.NGRAM])
 
-    def expander(self, budget: TreeBudget, staged: bool = False) -> Expand:
+    def expander(self, budget: TreeBudget, staged: bool = False, floor: float = 0.0
+                 ) -> Expand:
         """``grow_tree``'s ``expand`` for a draft model: how many frontier nodes the next draft
         batch takes, as many as pay on the measured cost curves (``Sizer.expand``); a
         ``staged`` drafter's batches carry stage-2 guesses and yield levels beyond their own,
-        as measured so far."""
+        as measured so far; a sampled tree's ``floor`` (``floor``) bounds what a batch can
+        add."""
         sizer, cal = self.sizer, self.calibrations
         assert sizer is not None
         calibration = cal.factor(Scorer.DRAFT)
@@ -233,7 +240,7 @@ class Resources:
                            if tree.ranks[v] == 0 and tree.scores[tree.parents[v]] > 0])
             return sizer.expand([tree.scores[v] for v in frontier], tree.scores[1:],
                                 time.perf_counter() - t0, calibration, budget.max_depth - depth,
-                                levels_per_call=levels, guess_width=width)
+                                levels_per_call=levels, guess_width=width, floor=floor)
 
         return expand
 
@@ -275,15 +282,15 @@ class Resources:
                         at_least=at_least)
 
     def floor(self, scorer: Scorer, params: SamplingParams) -> float:
-        """The score a node of a sampled tree needs to be verified: that of the weakest node
-        of the best cut of the last step's candidates of the same scorer (independent of this
-        step's draws; ``grow_tree``), infinite where none paid; greedy trees are cut after
-        growing (0)."""
+        """The score a node of a sampled tree needs to be verified: what a node needed to pay
+        in the best cut of the last step's candidates of the same scorer (``paying_floor``;
+        independent of this step's draws: ``grow_tree``); greedy trees are cut after growing
+        (0)."""
         basis, t_draft = self.previous.get(scorer, ([], 0.0))
         if params.greedy or not basis or self.sizer is None:
             return 0.0
-        n = best_size(basis, self.sizer.priced, t_draft, self.calibrations.factor(scorer))
-        return basis[n - 1] if n else math.inf
+        return paying_floor(basis, self.sizer.priced, t_draft,
+                            self.calibrations.factor(scorer))
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
             most: int | None = None, at_least: int = 1) -> DraftTree:
@@ -363,13 +370,13 @@ class TreePolicy:
             return StepPlan.alone(step.root)
         res, config = self.res, step.config
         sized = config.adaptive and res.sizer is not None
-        # tree and staged: a draft batch only where it pays; ngram: only nodes that could
-        # pay grow; a chain keeps its length (standard speculative decoding, the baseline)
-        expand = (res.expander(step.budget, staged=self.mode is Mode.STAGED)
-                  if sized and self.mode in (Mode.TREE, Mode.STAGED)
-                  else res.worth_growing() if sized and self.mode is Mode.NGRAM else None)
         scorer = scorer_of(drafter)
         floor = res.floor(scorer, step.params) if sized else 0.0
+        # tree and staged: a draft batch only where it pays; ngram: only nodes that could
+        # pay grow; a chain keeps its length (standard speculative decoding, the baseline)
+        expand = (res.expander(step.budget, staged=self.mode is Mode.STAGED, floor=floor)
+                  if sized and self.mode in (Mode.TREE, Mode.STAGED)
+                  else res.worth_growing() if sized and self.mode is Mode.NGRAM else None)
         draft = grow(drafter, step, expand, floor, at_least=1)
         if sized:
             draft = res.right_size(draft, scorer, drafting_time(drafter), step.params)

@@ -74,7 +74,8 @@ class Sizer:
 
     def expand(self, frontier: list[float], scores: list[float], t_spent: float,
                calibration: float, levels_left: int, baseline: float = 0.0,
-               levels_per_call: float = 1.0, guess_width: float = 0.0) -> int:
+               levels_per_call: float = 1.0, guess_width: float = 0.0,
+               floor: float = 0.0) -> int:
         """How many of the best ``frontier`` nodes (scores, best first) to expand with one
         draft batch; 0 stops drafting. ``scores`` are all drafted nodes' scores so far, and
         drafting has taken ``t_spent`` seconds. A batch must yield more tokens per second
@@ -82,7 +83,11 @@ class Sizer:
         another tree offers). With
         stage 2, a draft batch also decodes ``guess_width`` guessed tokens and yields
         ``levels_per_call`` levels on average (its own, and the guesses the draft agreed
-        with), so a level costs that fraction of a wider batch."""
+        with), so a level costs that fraction of a wider batch. A sampled tree keeps only
+        nodes scoring at least ``floor`` (``drafting.grow_tree``): a node whose best child
+        would likely fall under it is not expanded, and levels under it gain nothing."""
+        if floor > 0.0:
+            frontier = [s for s in frontier if s * self.confidence.value >= floor]
         if self.draft is None or not frontier or levels_left < 1:
             return 0
         n, now = self.best_cut(scores, t_spent, calibration)
@@ -97,8 +102,9 @@ class Sizer:
         by_level = [0.0] * (horizon + 1)  # the expanded nodes' estimates, level by level
         for m in range(1, len(frontier) + 1):
             for level in range(1, horizon + 1):
-                by_level[level] += accepted_estimate(frontier[m - 1] * falls[level],
-                                                     calibration)
+                score = frontier[m - 1] * falls[level]
+                if score >= floor:
+                    by_level[level] += accepted_estimate(score, calibration)
             gain, nodes = 0.0, n
             call = self.draft(m + round(guess_width)) / max(levels_per_call, 1.0)
             for level in range(1, horizon + 1):
