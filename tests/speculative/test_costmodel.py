@@ -14,6 +14,7 @@ from speculative.costmodel import (
     cached_verify_cost,
     curve_sizes,
     measure_verify_cost,
+    paying_floor,
 )
 from speculative.sizing import Sizer
 from tests.fakes import FakeContext, logit_table
@@ -132,6 +133,35 @@ def test_time_spent_drafting_does_not_lower_the_bar_for_a_node() -> None:
     sizer.confidence.add(0.7)  # the draft's next levels: about 0.6 each
     # drafting has taken 3 passes: its next batch's tokens must still beat the target alone
     assert sizer.expand([0.7], [0.7], 3.0, 1.0, levels_left=1) == 0
+
+
+def test_a_sampled_trees_floor_is_what_one_more_node_needed_to_pay() -> None:
+    """A sampled tree keeps the nodes scoring at least the floor set from the last step's
+    candidates: between the weakest node its best cut took and the best it left, where one
+    more node's acceptance would beat the rate it dilutes; infinite where nothing paid."""
+    steep = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.63, 2.03, 3.02, 4.71))
+    chain = [0.8, 0.64, 0.51, 0.41, 0.2, 0.1]
+    n = best_size(chain, steep, 0.0, 1.0)
+    assert 0 < n < len(chain)
+    floor = paying_floor(chain, steep, 0.0, 1.0)
+    assert chain[n] <= floor <= chain[n - 1]
+    assert paying_floor([0.5, 0.2], steep, 0.0, 1.0) == float("inf")  # a node costs 0.63
+    # every candidate paid: the floor lets a deeper node in where it would pay too
+    flat = VerifyCost((1, 2, 4, 8, 16), (1.0, 1.0, 1.05, 1.2, 1.5))
+    sure = [0.9, 0.85, 0.8, 0.75]
+    assert best_size(sure, flat, 0.0, 1.0) == len(sure)
+    assert paying_floor(sure, flat, 0.0, 1.0) < sure[-1]
+    # a drafter that over-promises (calibration below 1) needs higher scores
+    assert paying_floor(chain, steep, 0.0, 0.5) > floor
+
+
+def test_the_draft_is_not_asked_for_children_a_sampled_trees_floor_would_refuse() -> None:
+    curve = VerifyCost((1, 2, 4, 8), (1.0, 1.05, 1.1, 1.3))
+    sizer = Sizer(curve, VerifyCost((1, 2, 4), (0.1, 0.11, 0.12)))
+    sizer.confidence.add(0.9)
+    assert sizer.expand([0.6], [0.6], 0.0, 1.0, levels_left=3) == 1
+    # the frontier's best child would score about 0.6 * confidence: under a floor of 0.7
+    assert sizer.expand([0.6], [0.6], 0.0, 1.0, levels_left=3, floor=0.7) == 0
 
 
 def test_calibration_tracks_accepted_over_predicted() -> None:
