@@ -284,13 +284,18 @@ class Resources:
     def floor(self, scorer: Scorer, params: SamplingParams) -> float:
         """The score a node of a sampled tree needs to be verified: what a node needed to pay
         in the best cut of the last step's candidates of the same scorer (``paying_floor``;
-        independent of this step's draws: ``grow_tree``); greedy trees are cut after growing
-        (0)."""
-        basis, t_draft = self.previous.get(scorer, ([], 0.0))
-        if params.greedy or not basis or self.sizer is None:
+        independent of this step's draws: ``grow_tree``), or before any such step, what a
+        node needs at the very least to pay for its place in the batch
+        (``Sizer.least_worth``: a first sampled step of a kind would otherwise verify the
+        whole budget, 16 nodes on a curve where they cost five passes); greedy trees are cut
+        after growing (0)."""
+        if params.greedy or self.sizer is None:
             return 0.0
-        return paying_floor(basis, self.sizer.priced, t_draft,
-                            self.calibrations.factor(scorer))
+        factor = self.calibrations.factor(scorer)
+        basis, t_draft = self.previous.get(scorer, ([], 0.0))
+        if not basis:
+            return self.sizer.least_worth() / factor
+        return paying_floor(basis, self.sizer.priced, t_draft, factor)
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
             most: int | None = None, at_least: int = 1) -> DraftTree:

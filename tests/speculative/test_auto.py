@@ -247,6 +247,35 @@ def test_the_ngram_kind_verifies_its_best_node_as_the_ngram_mode_does() -> None:
     assert 1 in drafted["steeper"] and sum(drafted["flat"]) > 2 * sum(drafted["steeper"])
 
 
+def test_a_first_sampled_step_verifies_what_the_curve_pays_for_not_the_whole_budget() -> None:
+    """A sampled tree is sized before its nodes are drawn, from the last step's candidates;
+    the first step of a kind has none, and keeps only nodes that could pay for a batch token
+    at all (``Sizer.least_worth``): on a steep curve far fewer than the budget."""
+    params = SamplingParams(temperature=1.0, top_k=5, seed=3)
+    engine = _engine(Mode.NGRAM, TreeBudget(24, 8, 3))
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    engine.measure_cost()
+    res = engine.res
+    floor = res.floor(Scorer.NGRAM, params)
+    assert floor == res.sizer.least_worth() / res.calibrations.factor(Scorer.NGRAM) > 0.0
+    assert res.floor(Scorer.NGRAM, SamplingParams()) == 0.0  # greedy trees are cut instead
+    budget = TreeBudget(24, 8, 3)
+    sizes = []
+    for prompt in PROMPTS[:4]:
+        ngram = NgramDrafter(engine.ngram, sparse_top(params, budget.max_children))
+        tree = grow_tree(ngram, prompt, budget, params, np.random.default_rng(0),
+                         floor=floor, at_least=1).tree
+        assert all(tree.scores[v] >= floor for v in range(1, len(tree))
+                   if v != tree.children[0][0])  # the root's first child: verified anyway
+        whole = grow_tree(ngram, prompt, budget, params, np.random.default_rng(0)).tree
+        sizes.append((len(tree), len(whole)))
+    assert sum(a for a, _ in sizes) < sum(b for _, b in sizes)
+    run = RunStats()
+    _generate(engine, PROMPTS[0], 1, params=params, run=run)
+    assert run.steps[0].drafted < budget.max_nodes
+
+
 def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
     engine = _auto(FLAT, CHEAP_DRAFT)
     engine.measure_cost()
