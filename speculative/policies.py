@@ -225,8 +225,8 @@ class Resources:
         """``grow_tree``'s ``expand`` for a draft model: how many frontier nodes the next draft
         batch takes, as many as pay on the measured cost curves (``Sizer.expand``); a
         ``staged`` drafter's batches carry stage-2 guesses and yield levels beyond their own,
-        as measured so far; a sampled tree's ``floor`` (``floor``) bounds what a batch can
-        add."""
+        as measured so far; a sampled tree's ``floor`` (``Resources.floor``) bounds what a
+        batch can add."""
         sizer, cal = self.sizer, self.calibrations
         assert sizer is not None
         calibration = cal.factor(Scorer.DRAFT)
@@ -286,9 +286,9 @@ class Resources:
         in the best cut of the last step's candidates of the same scorer (``paying_floor``;
         independent of this step's draws: ``grow_tree``), or before any such step, what a
         node needs at the very least to pay for its place in the batch
-        (``Sizer.least_worth``: a first sampled step of a kind would otherwise verify the
-        whole budget, 16 nodes on a curve where they cost five passes); greedy trees are cut
-        after growing (0)."""
+        (``Sizer.least_worth``: a first sampled step of a kind would otherwise verify as
+        many nodes as the budget has room for, whatever the curve charges for them); greedy
+        trees are cut after growing (0)."""
         if params.greedy or self.sizer is None:
             return 0.0
         factor = self.calibrations.factor(scorer)
