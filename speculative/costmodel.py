@@ -26,9 +26,9 @@ to the step's context (``VerifyCost.at``).
 
 Exactness: greedy verification is exact for any tree, so greedy steps choose N from their own
 scores. A sampled step must not choose its shape from its own drawn tokens (that would bias
-which draws get verified): it keeps the nodes scoring at least the weakest of the best cut of
-the previous step's candidates, drawn independently, each node's children counted before
-they are drawn (``drafting.grow_tree``).
+which draws get verified): it keeps the nodes scoring at least what one more node needed to
+pay at the best cut of the previous step's candidates, drawn independently (``paying_floor``),
+each node's children counted before they are drawn (``drafting.grow_tree``).
 """
 
 from __future__ import annotations

@@ -396,14 +396,13 @@ def _counts(level: Sequence[_Slots], floor: float, at_least: int, room: int) -> 
     each scoring at least ``floor`` (the root's first whatever its score when
     ``at_least``) and following its node's slot before it, while there is ``room``."""
     counts = [0] * len(level)
-    order = sorted(((score, -a, -i) for a, slots in enumerate(level)
-                    for i, score in enumerate(slots.scores)), reverse=True)
-    for score, a, i in order:
-        a, i = -a, -i
+    order = sorted(((a, i) for a, slots in enumerate(level) for i in range(len(slots.scores))),
+                   key=lambda ai: (-level[ai[0]].scores[ai[1]], ai))
+    for a, i in order:
         if room <= 0:
             break
         forced = level[a].node == 0 and i < at_least
-        if counts[a] == i and (score >= floor or forced):
+        if counts[a] == i and (level[a].scores[i] >= floor or forced):
             counts[a] += 1
             room -= 1
     return counts

@@ -16,7 +16,7 @@ from concurrent.futures import ProcessPoolExecutor
 import numpy as np
 import pytest
 
-from speculative.costmodel import VerifyCost, best_size
+from speculative.costmodel import VerifyCost, paying_floor
 from speculative.drafting import DraftCounters, TreeBudget, grow_tree
 from speculative.engine import Engine
 from speculative.ngram import KatzTrigram
@@ -73,17 +73,16 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
                rng: np.random.Generator, sizing: dict | None = None,
                prompt: Sequence[int] = PROMPT) -> tuple[int, int]:
     """Two tokens by tree speculative sampling. With ``sizing``, each tree keeps the nodes
-    scoring at least the weakest of the best cut (``best_size``) of the *previous* tree's
-    candidates, as the engine sizes sampled trees (``Resources.floor``)."""
+    scoring at least what one more node needed to pay at the best cut of the *previous*
+    tree's candidates (``paying_floor``), as the engine sizes sampled trees
+    (``Resources.floor``)."""
     committed, out = list(prompt), []
     penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
     while len(out) < 2:
         penalties = penalizer.step(committed) if penalizer is not None else None
         floor = 0.0
         if sizing is not None and sizing.get("previous"):
-            basis = sizing["previous"]
-            n = best_size(basis, sizing["cost"], 0.0, 1.0)
-            floor = basis[n - 1] if n else math.inf
+            floor = paying_floor(sizing["previous"], sizing["cost"], 0.0, 1.0)
         draft = grow_tree(drafter, committed, budget, params, rng, penalties=penalties,
                           floor=floor, at_least=1)
         if sizing is not None:
