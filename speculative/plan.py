@@ -160,6 +160,11 @@ class Calibrations:
         counters = plan.counters
         if counters.stage2_proposed:
             self.stage2.add(counters.stage2_used, counters.stage2_proposed)
+        if counters.calls and getattr(plan.drafter, "lookahead", None) is not None:
+            # per call of a staged drafter, the calls that carried no guess included: the
+            # sizer prices every call by these, and where guesses rarely pay (sampled trees,
+            # whose draws seldom follow the n-gram's greedy guess) a mean over the calls
+            # that carried some would price every call as wide as those few
             self.stage2_used_per_call.add(counters.stage2_used / counters.calls,
                                           counters.calls)
             self.stage2_width.add(counters.stage2_proposed / counters.calls, counters.calls)

@@ -10,6 +10,7 @@ from __future__ import annotations
 import dataclasses
 import enum
 import logging
+import math
 import time
 from collections.abc import Sequence
 from typing import TYPE_CHECKING, Protocol
@@ -288,14 +289,21 @@ class Resources:
         node needs at the very least to pay for its place in the batch
         (``Sizer.least_worth``: a first sampled step of a kind would otherwise verify as
         many nodes as the budget has room for, whatever the curve charges for them); greedy
-        trees are cut after growing (0)."""
+        trees are cut after growing (0). Where nothing in the last step's candidates paid, as
+        before any step (see below)."""
         if params.greedy or self.sizer is None:
             return 0.0
         factor = self.calibrations.factor(scorer)
+        least = self.sizer.least_worth() / factor
         basis, t_draft = self.previous.get(scorer, ([], 0.0))
         if not basis:
-            return self.sizer.least_worth() / factor
-        return paying_floor(basis, self.sizer.priced, t_draft, factor)
+            return least
+        floor = paying_floor(basis, self.sizer.priced, t_draft, factor)
+        # nothing in the last step's candidates paid: floored at that, a tree keeps only the
+        # root's first child, whose siblings are then the next step's only candidates, which
+        # rarely pay either, and every step stays that stunted; such a step is sized as a
+        # first one instead
+        return floor if math.isfinite(floor) else least
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
             most: int | None = None, at_least: int = 1) -> DraftTree:

@@ -276,6 +276,56 @@ def test_a_first_sampled_step_verifies_what_the_curve_pays_for_not_the_whole_bud
     assert run.steps[0].drafted < budget.max_nodes
 
 
+def test_a_sampled_step_after_one_where_nothing_paid_is_sized_as_a_first_step() -> None:
+    """Floored where nothing in the last step's candidates paid, a tree would keep the root's
+    first child alone (verified anyway), whose siblings would be the next step's only
+    candidates, paying nothing either: every later step would stay that stunted. Such a
+    step is sized as a first one (``Sizer.least_worth``); after a step whose nodes paid, by
+    what one more node needed to pay there."""
+    from speculative.costmodel import paying_floor
+
+    params = SamplingParams(temperature=1.0, top_k=5, seed=3)
+    engine = _engine(Mode.TREE, TreeBudget(24, 8, 3))
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    engine.measure_cost()
+    res = engine.res
+    first = res.floor(Scorer.DRAFT, params)
+    factor = res.calibrations.factor(Scorer.DRAFT)
+    stunted = [0.3, 0.1, 0.05]  # the root's slots, beside its one child
+    assert paying_floor(stunted, res.sizer.priced, 0.05, factor) == math.inf
+    res.previous[Scorer.DRAFT] = (stunted, 0.05)
+    assert res.floor(Scorer.DRAFT, params) == first < math.inf
+    paid = [0.95, 0.9, 0.85, 0.8, 0.3, 0.1]
+    res.previous[Scorer.DRAFT] = (paid, 0.05)
+    floor = res.floor(Scorer.DRAFT, params)
+    assert floor == paying_floor(paid, res.sizer.priced, 0.05, factor) != first
+
+
+def test_a_staged_drafters_calls_are_priced_by_all_of_them() -> None:
+    """The sizer prices a staged draft call by the guesses a call carries and the levels it
+    yields, averaged over every call, those that carried no guess included: where guesses
+    rarely pay (sampled trees), a call is as narrow as the tree drafter's."""
+    from speculative.drafting import DraftTree as _Tree
+    from speculative.plan import Calibrations, StepPlan
+
+    class Staged:
+        lookahead = object()  # a drafter with stage-2 guesses
+        counters = DraftCounters()
+
+    calibrations = Calibrations()
+    tree = TokenTree.rooted(7)
+    tree.add(0, 1, 0.6, "draft", 0.6)
+    guessing, plain = Staged(), Staged()
+    guessing.counters = DraftCounters(calls=1, stage2_proposed=4, stage2_used=1)
+    plain.counters = DraftCounters(calls=3)
+    for drafter in (guessing, plain):
+        plan = StepPlan.scored_by(_Tree(tree, {}), drafter, StepKind.DRAFT, Scorer.DRAFT)
+        calibrations.observe(plan, [1])
+    assert calibrations.stage2_width.value == pytest.approx(4 / 4, rel=0.05)
+    assert calibrations.stage2_used_per_call.value == pytest.approx(1 / 4, rel=0.05)
+
+
 def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
     engine = _auto(FLAT, CHEAP_DRAFT)
     engine.measure_cost()
