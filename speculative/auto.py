@@ -58,7 +58,10 @@ verdict tells exactly how many tokens those would have emitted; their time is th
 outside planning, their planning, and this step's target pass scaled by the cost curve to
 their batch. Rates measured at different moments differ more with the text (a new prompt, a
 docstring against code) than the kinds differ from each other; paired on the same steps, the
-text's difficulty cancels (``Paired``).
+text's difficulty cancels (``Paired``). A sampled step counts the tokens its tree yields on
+average over the acceptance rule's draws (``Verdict.expected``), not the ones it drew: by
+the draws alone one step emits 1 token and the next 5, and kinds a few percent apart are
+told apart only after many steps.
 
 What was measured carries over: from one sampling to the other and back (sampled trees accept
 far less than greedy ones, so each sampling has its own measurements), and, through
@@ -118,7 +121,7 @@ class Rate:
     mean: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
     steps: float = 0.0  # decayed count of the steps seen
 
-    def add(self, tokens: int, seconds: float) -> None:
+    def add(self, tokens: float, seconds: float) -> None:
         if seconds > 0:
             self.mean.add(tokens / seconds, seconds)
         self.steps = self.mean.decay * self.steps + 1.0
@@ -501,10 +504,11 @@ class Planner:
         self.idle = _counts(0)
         self.held = held
 
-    def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+    def observe_step(self, kind: StepKind, tokens: float, seconds: float,
                      switch: float = 0.0,
                      alternatives: Sequence[tuple[StepKind, float, float]] = ()) -> None:
-        """A finished step of ``kind`` emitted ``tokens`` in ``seconds``, ``switch`` of them
+        """A finished step of ``kind`` emitted ``tokens`` in ``seconds`` (sampled: what it
+        emits on average given its tree, ``Outcome.expected``), ``switch`` of them
         spent catching up after other kinds ran (left out of the kind's rate);
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
         best = self.fastest(list(StepKind))
@@ -718,7 +722,10 @@ class AutoPolicy:
                 planner.observe_ngram(len(guess), n)
         counters, draft = plan.counters, planner.sizer.draft
         switch = draft.curve(counters.caught_up) if draft and counters.caught_up > 1 else 0.0
-        planner.observe_step(plan.kind, outcome.emitted, outcome.seconds, switch,
+        # sampled, what the step yields on average given its tree: the tokens it drew vary
+        # from one to several with the rule's own draws, far more than the kinds differ
+        tokens = outcome.emitted if planner.greedy else outcome.expected
+        planner.observe_step(plan.kind, tokens, outcome.seconds, switch,
                              self.counterfactuals(plan, outcome))
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome

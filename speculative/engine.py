@@ -350,7 +350,8 @@ class Engine:
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0,
-                                     t1 - t0, t2 - t1, batch, verdict.next_token, single))
+                                     t1 - t0, t2 - t1, batch, verdict.next_token, single,
+                                     verdict.expected + 1))
         tree = plan.tree.tree
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         return [*accepted, verdict.next_token], origins, stats

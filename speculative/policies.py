@@ -122,6 +122,9 @@ class Outcome:
     # the target's pass over the root alone, at this moment: this pass where it was one, else
     # the engine's estimate from it (0: unknown)
     t_single: float = 0.0
+    # tokens the step adds on average over the acceptance rule's draws, given its tree and the
+    # target's distributions over it (``Verdict.expected`` + 1); greedy, ``emitted``
+    expected: float = 0.0
 
 
 def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:

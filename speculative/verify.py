@@ -16,11 +16,18 @@ Each try is ordinary speculative sampling of a proposal drawn from q_i against t
 output is distributed exactly as p (accepted token, or a draw from the residual); a rejected
 try hands that residual on as the next target. When every child is rejected, the next token is
 drawn from what remains of p. So each emitted token is distributed exactly as the target's.
+
+Beside the draws, a sampled verdict reports the accepted path's expected length given the tree
+as drawn and the target's distributions over it: each node's chance of being reached, from the
+same odds the draws use. It has the drawn length's mean without the spread of the rule's own
+draws (a step's accepted length is one draw of it), so that what a kind of step yields is
+learned from fewer steps (``speculative.auto``).
 """
 
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 import numpy as np
 
@@ -35,6 +42,10 @@ class Verdict:
     next_token: int      # the target's own token after the accepted path
     offered: int         # depths at which the target was offered at least one candidate
     changed: int = 0     # positions where penalties changed the target's most likely token
+    # the accepted path's length averaged over the acceptance rule's draws, given the tree
+    # and the target's distributions over it; greedy, where the rule draws nothing, the
+    # length itself
+    expected: float = 0.0
 
 
 def _row(tree: TokenTree, logits: np.ndarray, u: int, penalties: StepPenalties | None
@@ -61,7 +72,7 @@ def verify_greedy(tree: TokenTree, logits: np.ndarray,
         child = tree.child_with_token(u, token)
         if child is None:
             offered = len(path) + (1 if tree.children[u] else 0)
-            return Verdict(path, token, offered, changed)
+            return Verdict(path, token, offered, changed, float(len(path)))
         path.append(child)
         u = child
 
@@ -69,34 +80,50 @@ def verify_greedy(tree: TokenTree, logits: np.ndarray,
 def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray],
                     params: SamplingParams, rng: np.random.Generator,
                     penalties: StepPenalties | None = None) -> Verdict:
-    """``q[u]`` is the draft distribution u's children were drawn from (see ``grow_tree``)."""
+    """``q[u]`` is the draft distribution u's children were drawn from (see ``grow_tree``).
+    The verdict's ``expected`` sums every node's chance of being reached under the rule,
+    given the tree as drawn and the target's distributions over it: the accepted path's
+    length averaged over the rule's own draws (``_expected``)."""
+    found: dict[int, tuple[list[tuple[int, float]], np.ndarray, bool]] = {}
+
+    def tries(u: int) -> tuple[list[tuple[int, float]], np.ndarray, bool]:
+        # u's children in the order they are tried, each with its chance of acceptance once
+        # the ones before it were rejected; the residual after all; whether the penalties
+        # changed the target's most likely token at u
+        if u not in found:
+            row, moved = _row(tree, logits, u, penalties)
+            kids = tree.children[u]
+            found[u] = (*_tries(tree, kids, distribution(row, params),
+                                q[u] if kids else None), moved)
+        return found[u]
+
     path: list[int] = []
     u, changed = 0, 0
     while True:
-        row, moved = _row(tree, logits, u, penalties)
+        odds, residual, moved = tries(u)
         changed += moved
-        p = distribution(row, params)
-        kids = tree.children[u]
-        result = _try_children(tree, kids, p, q[u] if kids else None, rng)
-        if not isinstance(result, np.ndarray):
-            path.append(result)
-            u = result
+        child = next((c for c, accept in odds if rng.random() < accept), None)
+        if child is not None:
+            path.append(child)
+            u = child
             continue
-        offered = len(path) + (1 if kids else 0)
-        return Verdict(path, sample(result, rng), offered, changed)
+        offered = len(path) + (1 if tree.children[u] else 0)
+        return Verdict(path, sample(residual, rng), offered, changed, _expected(tree, tries))
 
 
-def _try_children(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None,
-                  rng: np.random.Generator) -> int | np.ndarray:
-    """The accepted child, or the residual distribution when every child is rejected."""
+def _tries(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None
+           ) -> tuple[list[tuple[int, float]], np.ndarray]:
+    """Each child in the order it is tried, with its chance of acceptance given that the
+    ones before it were rejected, and the residual distribution left when every child is
+    rejected (what the next token is then drawn from)."""
+    odds: list[tuple[int, float]] = []
     if not kids or q is None:
-        return p
+        return odds, p
     q = q.copy()
     for c in kids:
         x = tree.tokens[c]
-        # accept x with prob min(1, p(x)/q(x))
-        if rng.random() * q[x] < p[x]:
-            return c
+        # accept x with prob min(1, p(x)/q(x)); q(x) > 0, x was drawn from q
+        odds.append((c, min(1.0, p[x] / q[x]) if q[x] > 0.0 else 0.0))
         # rejected: p <- norm(max(p - q, 0)); q <- q without x, renormalised
         residual = np.maximum(p - q, 0.0)
         total = residual.sum()
@@ -107,4 +134,27 @@ def _try_children(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray
         if q_total <= 0.0:
             break
         q /= q_total
-    return p
+    return odds, p
+
+
+def _expected(tree: TokenTree, tries: Callable[[int], tuple[list[tuple[int, float]],
+                                                              np.ndarray, bool]]) -> float:
+    """The accepted path's expected length under the acceptance rule: each node's chance of
+    being reached (its parent's, times the chance that its earlier siblings are rejected and
+    it is accepted), summed over the tree. Nodes that cannot be reached are not priced."""
+    reach = [0.0] * len(tree)
+    reach[0] = 1.0
+    total = 0.0
+    todo = [0]
+    while todo:
+        u = todo.pop()
+        if not tree.children[u]:
+            continue
+        rest = reach[u]
+        for child, accept in tries(u)[0]:
+            reach[child] = rest * accept
+            rest -= reach[child]
+            total += reach[child]
+            if reach[child] > 0.0:
+                todo.append(child)
+    return total

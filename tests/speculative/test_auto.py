@@ -824,6 +824,29 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
         rest + 0.20 * curve(1) / curve(4))
 
 
+@pytest.mark.parametrize("greedy", [False, True])
+def test_a_sampled_step_counts_what_its_tree_yields_on_average(greedy: bool) -> None:
+    """Sampled, a drafted step is measured by the tokens its tree yields on average over the
+    acceptance rule's draws (``Outcome.expected``), not by the ones it drew; greedy, the rule
+    draws nothing and the two are the same."""
+    from types import SimpleNamespace
+
+    from speculative.auto import AutoPolicy
+    from speculative.plan import StepPlan
+    from speculative.policies import Outcome
+
+    planner = _planner()
+    planner.greedy = greedy
+    policy = AutoPolicy(SimpleNamespace(planner=planner))
+    drafted = TokenTree.rooted(7)
+    drafted.add(drafted.add(0, 1, 0.9, "draft"), 2, 0.8, "draft")
+    plan = StepPlan(DraftTree(drafted, {}), None, StepKind.DRAFT)
+    for _ in range(6):  # drew 1 token each time, where 2.5 come on average
+        policy.observe(plan, Outcome([], (), 1, seconds=1.0, next_token=5, expected=2.5))
+    rate = planner.rates[StepKind.DRAFT].value
+    assert rate == pytest.approx(1.0 if greedy else 2.5)
+
+
 @pytest.mark.parametrize("steady", [False, True])
 def test_a_kind_takes_over_only_when_its_lead_is_beyond_the_steps_noise(steady: bool) -> None:
     """The n-gram's kind has been running; then the draft's runs four steps with the n-gram's

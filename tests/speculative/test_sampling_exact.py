@@ -339,3 +339,33 @@ def test_engine_sampling_end_to_end_matches_the_target(mode: Mode, penalised: bo
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base),
                                                                 prompt))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=5,
+                                                   repeat_penalty=1.3, presence_penalty=0.4)],
+                         ids=["plain", "top-k, penalties"])
+def test_a_verdicts_expected_length_is_the_mean_of_the_rules_draws(params) -> None:
+    """For one tree as drawn, the accepted path's length averaged over many runs of the
+    acceptance rule (fresh draws each) is the verdict's ``expected``, which every run reports
+    alike: it depends on the tree and the distributions, not on the rule's draws."""
+    drafter = TableDrafter(noisy(TARGET, seed=7, noise=1.0).astype(np.float32))
+    penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
+    penalties = penalizer.step(PROMPT) if penalizer is not None else None
+    draft = grow_tree(drafter, PROMPT, TreeBudget(12, 4, 2), params, np.random.default_rng(1),
+                      penalties=penalties)
+    tree = draft.tree
+    assert len(tree.children[0]) > 1 and tree.max_depth > 2  # siblings and depth to weigh
+    logits = np.array([table_logits(TARGET, [*PROMPT, *tree.path(i)])
+                       for i in range(len(tree))])
+    lengths, expected = [], set()
+    for seed in range(20_000):
+        # (the rule penalises the pass's rows in place: a fresh pass each run)
+        verdict = verify_sampling(tree, logits.copy(), draft.q, params,
+                                  np.random.default_rng(seed), penalties)
+        lengths.append(len(verdict.accepted))
+        expected.add(verdict.expected)
+    assert len(expected) == 1
+    (mean,) = expected
+    assert 0.2 < mean < tree.max_depth - 0.2  # the rule stops early and goes deep, by turns
+    assert np.mean(lengths) == pytest.approx(mean, abs=4 * np.std(lengths) / np.sqrt(20_000))
