@@ -737,17 +737,20 @@ class Acceptance:
         return ys[i - 1] + (p - x0) * (ys[i] - ys[i - 1]) / (x1 - x0)
 
     def add(self, probs: Sequence[float], first: Sequence[bool],
-            accepted: Sequence[bool]) -> None:
+            accepted: Sequence[float], tried: Sequence[float] | None = None) -> None:
         """One step's children of accepted nodes: their probabilities, whether each is its
         parent's first child, and whether the target accepted it (a step with none still
-        decays what was seen)."""
+        decays what was seen). With ``tried``, each node counts as that many trials (its
+        parent's chance of being reached) and ``accepted`` are its own chances of being
+        reached: the expected counts, where the step's verdict was drawn."""
         self.hits *= self.decay
         self.trials *= self.decay
         if len(probs):
             bins = np.clip(np.searchsorted(ACCEPTANCE_EDGES, probs, side="right") - 1,
                            0, self.trials.shape[1] - 1)
             rows = np.where(np.asarray(first, dtype=bool), 0, 1)
-            np.add.at(self.trials, (rows, bins), 1.0)
+            np.add.at(self.trials, (rows, bins), 1.0 if tried is None
+                      else np.asarray(tried, dtype=float))
             np.add.at(self.hits, (rows, bins), np.asarray(accepted, dtype=float))
         self._refresh()
 
@@ -813,7 +816,7 @@ class Calibration:
         c = (self.accepted + self.prior) / (self.predicted + self.prior)
         return min(2.0, max(0.05, c))
 
-    def add(self, accepted: int, predicted: float) -> None:
+    def add(self, accepted: float, predicted: float) -> None:
         if accepted == 0 and predicted <= 0.0:
             return
         self.accepted = self.decay * self.accepted + accepted

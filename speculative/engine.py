@@ -440,7 +440,7 @@ class Engine:
         self._redecode = len(accepted) - in_place
         if plan.drafter is not None:
             plan.drafter.commit(accepted, verdict.next_token)
-            self.res.calibrations.observe(plan, verdict.accepted)
+            self.res.calibrations.observe(plan, verdict.accepted, verdict.reached)
         return accepted
 
     def _rollback(self) -> None:

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import dataclasses
 import enum
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any
 
 from .costmodel import Acceptance, Calibration, Running
@@ -133,30 +133,40 @@ class Calibrations:
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not calibrations: {exc!r}") from exc
 
-    def observe(self, plan: StepPlan, accepted_nodes: list[int]) -> None:
+    def observe(self, plan: StepPlan, accepted_nodes: list[int],
+                reached: Sequence[float] = ()) -> None:
         """Each calibration the plan names learns its nodes' hits and summed scores, and its
         acceptance map the nodes whose parent the target accepted (the root's children
-        included): their probabilities and which of them it accepted."""
+        included): their probabilities and which of them it accepted. With ``reached``
+        (sampled: each node's chance of being reached by the acceptance rule, by node id,
+        ``Verdict.reached``), a node's hit is its chance, and a node counts as tried as
+        often as its parent is reached: the same sums on average as the drawn verdict's,
+        without the spread of the rule's own draws."""
         tree = plan.tree.tree
         kept = set(accepted_nodes)
-        totals = {s: [0, 0.0] for s in plan.calibrates}
-        tried: dict[Scorer, tuple[list[float], list[bool], list[bool]]] = {
-            s: ([], [], []) for s in plan.calibrates}
+        if reached:
+            hit, tried_as = list(reached), [reached[p] for p in tree.parents[1:]]
+        else:
+            hit = [float(v in kept) for v in range(len(tree))]
+            tried_as = [float(p == 0 or p in kept) for p in tree.parents[1:]]
+        totals = {s: [0.0, 0.0] for s in plan.calibrates}
+        tried: dict[Scorer, tuple[list[float], list[bool], list[float], list[float]]] = {
+            s: ([], [], [], []) for s in plan.calibrates}
         for v in range(1, len(tree)):
             entry = plan.scored.get(tree.path(v))
             if entry is not None and entry[0] in totals:
-                totals[entry[0]][0] += v in kept
+                totals[entry[0]][0] += hit[v]
                 totals[entry[0]][1] += entry[1]
-                parent = tree.parents[v]
-                if parent == 0 or parent in kept:
-                    probs, first, hits = tried[entry[0]]
+                if tried_as[v - 1] > 0.0:
+                    probs, first, hits, weights = tried[entry[0]]
                     probs.append(tree.probs[v])
                     first.append(tree.ranks[v] == 0)
-                    hits.append(v in kept)
+                    hits.append(hit[v])
+                    weights.append(tried_as[v - 1])
         for scorer, (hits, predicted) in totals.items():
             self.by_scorer[scorer].add(hits, predicted)
-        for scorer, (probs, first, accepted) in tried.items():
-            self.acceptance[scorer].add(probs, first, accepted)
+        for scorer, (probs, first, accepted, weights) in tried.items():
+            self.acceptance[scorer].add(probs, first, accepted, weights)
         counters = plan.counters
         if counters.stage2_proposed:
             self.stage2.add(counters.stage2_used, counters.stage2_proposed)

@@ -20,8 +20,9 @@ drawn from what remains of p. So each emitted token is distributed exactly as th
 Beside the draws, a sampled verdict reports the accepted path's expected length given the tree
 as drawn and the target's distributions over it: each node's chance of being reached, from the
 same odds the draws use. It has the drawn length's mean without the spread of the rule's own
-draws (a step's accepted length is one draw of it), so that what a kind of step yields is
-learned from fewer steps (``speculative.auto``).
+draws (a step's accepted length is one draw of it), so that what a kind of step yields, and
+how often the target accepts a drafter's nodes, are learned from fewer steps
+(``speculative.auto``, ``plan.Calibrations``).
 """
 
 from __future__ import annotations
@@ -46,6 +47,9 @@ class Verdict:
     # and the target's distributions over it; greedy, where the rule draws nothing, the
     # length itself
     expected: float = 0.0
+    # sampled: each node's chance of being reached by the rule (the root's 1), by node id;
+    # greedy: empty (a node is reached or not)
+    reached: tuple[float, ...] = ()
 
 
 def _row(tree: TokenTree, logits: np.ndarray, u: int, penalties: StepPenalties | None
@@ -81,9 +85,10 @@ def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray
                     params: SamplingParams, rng: np.random.Generator,
                     penalties: StepPenalties | None = None) -> Verdict:
     """``q[u]`` is the draft distribution u's children were drawn from (see ``grow_tree``).
-    The verdict's ``expected`` sums every node's chance of being reached under the rule,
-    given the tree as drawn and the target's distributions over it: the accepted path's
-    length averaged over the rule's own draws (``_expected``)."""
+    The verdict's ``reached`` gives every node's chance of being reached under the rule,
+    given the tree as drawn and the target's distributions over it (``_reached``), and
+    ``expected`` their sum: the accepted path's length averaged over the rule's own
+    draws."""
     found: dict[int, tuple[list[tuple[int, float]], np.ndarray, bool]] = {}
 
     def tries(u: int) -> tuple[list[tuple[int, float]], np.ndarray, bool]:
@@ -108,7 +113,9 @@ def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray
             u = child
             continue
         offered = len(path) + (1 if tree.children[u] else 0)
-        return Verdict(path, sample(residual, rng), offered, changed, _expected(tree, tries))
+        reached = _reached(tree, tries)
+        return Verdict(path, sample(residual, rng), offered, changed, sum(reached[1:]),
+                       tuple(reached))
 
 
 def _tries(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None
@@ -137,14 +144,13 @@ def _tries(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None
     return odds, p
 
 
-def _expected(tree: TokenTree, tries: Callable[[int], tuple[list[tuple[int, float]],
-                                                              np.ndarray, bool]]) -> float:
-    """The accepted path's expected length under the acceptance rule: each node's chance of
-    being reached (its parent's, times the chance that its earlier siblings are rejected and
-    it is accepted), summed over the tree. Nodes that cannot be reached are not priced."""
+def _reached(tree: TokenTree, tries: Callable[[int], tuple[list[tuple[int, float]],
+                                                             np.ndarray, bool]]) -> list[float]:
+    """Each node's chance of being reached under the acceptance rule, given the tree as
+    drawn: its parent's, times the chance that its earlier siblings are rejected and it is
+    accepted (the root's: 1). Nodes that cannot be reached are not priced."""
     reach = [0.0] * len(tree)
     reach[0] = 1.0
-    total = 0.0
     todo = [0]
     while todo:
         u = todo.pop()
@@ -154,7 +160,6 @@ def _expected(tree: TokenTree, tries: Callable[[int], tuple[list[tuple[int, floa
         for child, accept in tries(u)[0]:
             reach[child] = rest * accept
             rest -= reach[child]
-            total += reach[child]
             if reach[child] > 0.0:
                 todo.append(child)
-    return total
+    return reach

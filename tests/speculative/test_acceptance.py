@@ -94,6 +94,29 @@ def test_calibrations_learn_from_the_children_of_accepted_nodes_only() -> None:
     assert calibrations.acceptance[Scorer.NGRAM].trials.sum() == 0
 
 
+def test_a_sampled_verdict_teaches_each_nodes_chance_not_its_draw() -> None:
+    """Sampled, the verdict gives each node's chance of being reached by the acceptance rule:
+    a node counts as tried as often as its parent is reached, and as accepted as often as it
+    is reached itself, whichever path the rule drew (here the first child's)."""
+    tree = TokenTree.rooted(7)
+    a = tree.add(0, 1, 0.6, "draft", 0.6)
+    b = tree.add(0, 2, 0.3, "draft", 0.3)
+    c = tree.add(a, 3, 0.3, "draft", 0.5)
+    plan = StepPlan.scored_by(DraftTree(tree, {}), None, StepKind.DRAFT, Scorer.DRAFT)
+    reached = [1.0, 0.5, 0.3, 0.4]  # by node: the root, a, b, c
+    drawn, expected = Calibrations(), Calibrations()
+    drawn.observe(plan, [a])
+    expected.observe(plan, [a], reached)
+    learned = expected.acceptance[Scorer.DRAFT]
+    assert learned.trials[0].sum() == pytest.approx(1.0 + 0.5)  # a, and c as often as a
+    assert learned.hits[0].sum() == pytest.approx(0.5 + 0.4)
+    assert learned.trials[1].sum() == 1.0 and learned.hits[1].sum() == pytest.approx(0.3)
+    assert drawn.acceptance[Scorer.DRAFT].hits[1].sum() == 0  # b, drawn: rejected
+    assert expected.by_scorer[Scorer.DRAFT].accepted == pytest.approx(0.5 + 0.3 + 0.4)
+    assert drawn.by_scorer[Scorer.DRAFT].accepted == 1  # a alone
+    assert expected.by_scorer[Scorer.DRAFT].predicted == drawn.by_scorer[Scorer.DRAFT].predicted
+
+
 def test_an_old_memory_without_acceptance_maps_is_still_recalled() -> None:
     calibrations = Calibrations()
     memory = calibrations.memory()
