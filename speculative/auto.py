@@ -36,20 +36,23 @@ chance would run until the noise turned). It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
-the fastest would have taken for their tokens, may reach what the time spent has earned (plus
-an allowance of ``START_STEPS`` plain steps' time for a fresh start); a kind other than the
-fastest runs only while regret is under budget. Each step earns a share of its seconds, the
-share of its moment (earned once, kept: a share applied to all the time spent would take back,
-when speculation stops paying, what was earned while it paid, and ``auto`` would stop
-exploring just when the text has changed). The share follows what speculation gains
-here: ``EXPLORE_SHARE`` where the fastest kind leads the target alone by ``FULL_SHARE_LEAD``
-or more, down to ``EXPLORE_FLOOR`` where nothing has beaten the target alone (a steep cost
-curve: every exploration there is a loss unless the text has changed, and exploring at the
-full share kept ``auto`` a few percent below plain decoding). The regret is counted against
-the fastest kind, not against the target alone: counted against the target alone, what the
-fastest kind gains over it would pay for explorations until ``auto`` had lost its whole lead
-over plain decoding to them. The first measurements, before any kind is measured, are not
-regret.
+the fastest would have taken for their tokens at that moment (the target alone's time, timed in
+each drafted step's place, over the fastest kind's lead: another program's load slows both
+alike, and an exploration that ran while the machine was busy would otherwise be charged the
+load too, and keep ``auto`` from exploring long after the load had gone), may reach what the
+time spent has earned (plus an allowance of ``START_STEPS`` plain steps' time for a fresh
+start); a kind other than the fastest runs only while regret is under budget. Each step earns a
+share of its seconds, the share of its moment (earned once, kept: a share applied to all the
+time spent would take back, when speculation stops paying, what was earned while it paid, and
+``auto`` would stop exploring just when the text has changed). The share follows what
+speculation gains here: ``EXPLORE_SHARE`` where the fastest kind leads the target alone by
+``FULL_SHARE_LEAD`` or more, down to ``EXPLORE_FLOOR`` where nothing has beaten the target
+alone (a steep cost curve: every exploration there is a loss unless the text has changed, and
+exploring at the full share kept ``auto`` a few percent below plain decoding). The regret is
+counted against the fastest kind, not against the target alone: counted against the target
+alone, what the fastest kind gains over it would pay for explorations until ``auto`` had lost
+its whole lead over plain decoding to them. The first measurements, before any kind is
+measured, are not regret.
 
 Which kind is fastest is judged on the same text where possible: a step's plan names what the
 other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
@@ -295,7 +298,7 @@ class Planner:
     greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
     earned: float = 0.0   # the budget they earned: each step's seconds times its share
-    regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens
+    regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens then
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
     trial: StepKind | None = None  # the kind being explored, and its steps still to run
     trial_left: int = 0
@@ -313,6 +316,18 @@ class Planner:
         alone's (``plain_seconds``, also what it is before any kind is measured)."""
         speed = self.speed(best) if best is not None else 1.0
         return self.plain_seconds() / max(speed, 1.0)
+
+    def best_now(self, best: StepKind,
+                 alternatives: Sequence[tuple[StepKind, float, float]] = ()) -> float:
+        """Seconds per token of ``best`` at the moment of a step: the target alone's time
+        timed in the step's place (``alternatives``), over ``best``'s lead on it, where the
+        step has that; otherwise ``best_seconds``. Another program's load slows the step and
+        its counterpart alike, and an exploration that ran while the machine was busy is
+        charged what it lost against the fastest kind, not the load as well."""
+        for kind, tokens, seconds in alternatives:
+            if kind is StepKind.ROOT and tokens > 0 and seconds > 0:
+                return seconds / tokens / max(self.speed(best), 1.0)
+        return self.best_seconds(best)
 
     def plain_seconds(self) -> float:
         """Seconds per token of the target alone: measured, or before any such step, the cost
@@ -514,7 +529,7 @@ class Planner:
         best = self.fastest(list(StepKind))
         exploring = best is not None and kind is not best
         if exploring:  # what it lost (or won)
-            self.regret += seconds - tokens * self.best_seconds(best)
+            self.regret += seconds - tokens * self.best_now(best, alternatives)
         self.elapsed += seconds
         self.earned += self.explore_share() * seconds
         ran = max(seconds - switch, 1e-9)

@@ -100,8 +100,8 @@ def test_a_sampled_verdict_teaches_each_nodes_chance_not_its_draw() -> None:
     is reached itself, whichever path the rule drew (here the first child's)."""
     tree = TokenTree.rooted(7)
     a = tree.add(0, 1, 0.6, "draft", 0.6)
-    b = tree.add(0, 2, 0.3, "draft", 0.3)
-    c = tree.add(a, 3, 0.3, "draft", 0.5)
+    tree.add(0, 2, 0.3, "draft", 0.3)  # b
+    tree.add(a, 3, 0.3, "draft", 0.5)  # c
     plan = StepPlan.scored_by(DraftTree(tree, {}), None, StepKind.DRAFT, Scorer.DRAFT)
     reached = [1.0, 0.5, 0.3, 0.4]  # by node: the root, a, b, c
     drawn, expected = Calibrations(), Calibrations()

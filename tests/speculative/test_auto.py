@@ -914,6 +914,26 @@ def test_only_explorations_count_as_regret() -> None:
     assert planner.regret == pytest.approx(regret + 2.0)
 
 
+def test_an_exploration_on_a_busy_machine_is_charged_its_loss_not_the_load() -> None:
+    """An exploration's regret is what it lost against the fastest kind at the same moment:
+    the target alone's time timed in its place (over the fastest kind's lead), so that a
+    step slowed three times by another program is charged the second it lost, not the load;
+    a step without that counterpart is priced by the fastest kind's measured rate."""
+    planner = _planner()
+    for _ in range(5):
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    for _ in range(4):
+        planner.observe_step(StepKind.GUESSES, 1, 1.2, alternatives=[(StepKind.ROOT, 1, 1.0)])
+    assert planner.fastest(KINDS) is StepKind.ROOT
+    before = planner.regret
+    # busy: the target alone would have taken 3 s where this step took 3.6 s for its token
+    planner.observe_step(StepKind.GUESSES, 1, 3.6, alternatives=[(StepKind.ROOT, 1, 3.0)])
+    assert planner.regret == pytest.approx(before + 0.6)
+    before = planner.regret
+    planner.observe_step(StepKind.GUESSES, 1, 3.6)  # no counterpart: the measured rate
+    assert planner.regret == pytest.approx(before + 2.6)
+
+
 def test_auto_times_each_step_against_what_other_kinds_would_have_done() -> None:
     """On fake models, every greedy drafted step is paired with the n-gram's tree and the
     target alone in its place, and output stays exact."""
