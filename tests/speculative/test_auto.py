@@ -247,15 +247,21 @@ def test_the_ngram_kind_verifies_its_best_node_as_the_ngram_mode_does() -> None:
     assert 1 in drafted["steeper"] and sum(drafted["flat"]) > 2 * sum(drafted["steeper"])
 
 
+def _steep_sampled(mode: Mode) -> Engine:
+    """An engine of ``mode`` on a steep curve with a cheap draft, its costs measured."""
+    engine = _engine(mode, TreeBudget(24, 8, 3))
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    engine.measure_cost()
+    return engine
+
+
 def test_a_first_sampled_step_verifies_what_the_curve_pays_for_not_the_whole_budget() -> None:
     """A sampled tree is sized before its nodes are drawn, from the last step's candidates;
     the first step of a kind has none, and keeps only nodes that could pay for a batch token
     at all (``Sizer.least_worth``): on a steep curve far fewer than the budget."""
     params = SamplingParams(temperature=1.0, top_k=5, seed=3)
-    engine = _engine(Mode.NGRAM, TreeBudget(24, 8, 3))
-    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
-    engine.measure_cost()
+    engine = _steep_sampled(Mode.NGRAM)
     res = engine.res
     floor = res.floor(Scorer.NGRAM, params)
     assert floor == res.sizer.least_worth() / res.calibrations.factor(Scorer.NGRAM) > 0.0
@@ -285,11 +291,7 @@ def test_a_sampled_step_after_one_where_nothing_paid_is_sized_as_a_first_step() 
     from speculative.costmodel import paying_floor
 
     params = SamplingParams(temperature=1.0, top_k=5, seed=3)
-    engine = _engine(Mode.TREE, TreeBudget(24, 8, 3))
-    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
-    engine.measure_cost()
-    res = engine.res
+    res = _steep_sampled(Mode.TREE).res
     first = res.floor(Scorer.DRAFT, params)
     factor = res.calibrations.factor(Scorer.DRAFT)
     stunted = [0.3, 0.1, 0.05]  # the root's slots, beside its one child
