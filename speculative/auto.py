@@ -739,7 +739,8 @@ class AutoPolicy:
         switch = draft.curve(counters.caught_up) if draft and counters.caught_up > 1 else 0.0
         # sampled, what the step yields on average given its tree: the tokens it drew vary
         # from one to several with the rule's own draws, far more than the kinds differ
-        tokens = outcome.emitted if planner.greedy else outcome.expected
+        tokens = (outcome.emitted if planner.greedy or outcome.expected is None
+                  else outcome.expected)
         planner.observe_step(plan.kind, tokens, outcome.seconds, switch,
                              self.counterfactuals(plan, outcome))
 

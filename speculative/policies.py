@@ -123,8 +123,9 @@ class Outcome:
     # the engine's estimate from it (0: unknown)
     t_single: float = 0.0
     # tokens the step adds on average over the acceptance rule's draws, given its tree and the
-    # target's distributions over it (``Verdict.expected`` + 1); greedy, ``emitted``
-    expected: float = 0.0
+    # target's distributions over it (``Verdict.expected`` + 1); greedy, ``emitted``; None:
+    # not known (counted as ``emitted``)
+    expected: float | None = None
 
 
 def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:

@@ -847,6 +847,11 @@ def test_a_sampled_step_counts_what_its_tree_yields_on_average(greedy: bool) -> 
         policy.observe(plan, Outcome([], (), 1, seconds=1.0, next_token=5, expected=2.5))
     rate = planner.rates[StepKind.DRAFT].value
     assert rate == pytest.approx(1.0 if greedy else 2.5)
+    unknown = _planner()
+    unknown.greedy = greedy
+    policy = AutoPolicy(SimpleNamespace(planner=unknown))
+    policy.observe(plan, Outcome([], (), 1, seconds=1.0, next_token=5))  # no expectation
+    assert unknown.rates[StepKind.DRAFT].value == pytest.approx(1.0)
 
 
 @pytest.mark.parametrize("steady", [False, True])
