@@ -298,7 +298,7 @@ class Planner:
     greedy: bool | None = None  # the sampling the rates were measured under
     elapsed: float = 0.0  # seconds of all steps observed
     earned: float = 0.0   # the budget they earned: each step's seconds times its share
-    regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens then
+    regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens, at the time
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
     trial: StepKind | None = None  # the kind being explored, and its steps still to run
     trial_left: int = 0

@@ -43,13 +43,16 @@ class Verdict:
     next_token: int      # the target's own token after the accepted path
     offered: int         # depths at which the target was offered at least one candidate
     changed: int = 0     # positions where penalties changed the target's most likely token
-    # the accepted path's length averaged over the acceptance rule's draws, given the tree
-    # and the target's distributions over it; greedy, where the rule draws nothing, the
-    # length itself
-    expected: float = 0.0
     # sampled: each node's chance of being reached by the rule (the root's 1), by node id;
     # greedy: empty (a node is reached or not)
     reached: tuple[float, ...] = ()
+
+    @property
+    def expected(self) -> float:
+        """The accepted path's length averaged over the acceptance rule's draws, given the
+        tree and the target's distributions over it; greedy, where the rule draws nothing,
+        the length itself."""
+        return sum(self.reached[1:]) if self.reached else float(len(self.accepted))
 
 
 def _row(tree: TokenTree, logits: np.ndarray, u: int, penalties: StepPenalties | None
@@ -76,7 +79,7 @@ def verify_greedy(tree: TokenTree, logits: np.ndarray,
         child = tree.child_with_token(u, token)
         if child is None:
             offered = len(path) + (1 if tree.children[u] else 0)
-            return Verdict(path, token, offered, changed, float(len(path)))
+            return Verdict(path, token, offered, changed)
         path.append(child)
         u = child
 
@@ -113,9 +116,8 @@ def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray
             u = child
             continue
         offered = len(path) + (1 if tree.children[u] else 0)
-        reached = _reached(tree, tries)
-        return Verdict(path, sample(residual, rng), offered, changed, sum(reached[1:]),
-                       tuple(reached))
+        return Verdict(path, sample(residual, rng), offered, changed,
+                       tuple(_reached(tree, tries)))
 
 
 def _tries(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None
