@@ -32,7 +32,12 @@ leads by more than ``SWITCH_MARGIN``, compared on the same steps where one ran w
 as its alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the
 steps' own spread: two kinds about as fast would otherwise alternate with the noise of their
 measurements, pay the catching up at every switch, and a kind that won a short exploration by
-chance would run until the noise turned). It is counted in the regret below.
+chance would run until the noise turned), the lead itself weighed against how far apart kinds
+usually are (``LEAD_SPREAD``: a lead measured over three scattered steps is mostly chance,
+however far it reads). A kind measured faster than the running one by more than the margin,
+but not surely, is explored again at once rather than after the wait (the budget allowing):
+its own steps are what can make the lead sure, and while it runs faster they refill the budget
+they draw on. It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
@@ -113,6 +118,8 @@ HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at 
 TRIAL_STEPS = 3  # steps in a row an exploration runs (the budget allowing)
 SWITCH_MARGIN = 0.03  # how much faster than the running kind another must be to take over
 SWITCH_DOUBTS = 1.0   # ... beyond this many standard errors of the measured difference
+LEAD_SPREAD = 0.2  # how far apart (in log speed) kinds usually are: what a measured lead is
+                   # weighed against (``Planner.lead``)
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
@@ -389,11 +396,22 @@ class Planner:
         held = self.held
         if held is None or held is top or held not in measured:
             return top
-        lead = self.relative(top, held)
-        if math.log(lead) <= math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * self.doubt(top, held):
+        lead, doubt = self.lead(top, held)
+        if lead <= math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt:
             return held
-        gain = (1.0 - 1.0 / lead) * HOLD_STEPS * self.plain_seconds()
+        gain = (1.0 - math.exp(-lead)) * HOLD_STEPS * self.plain_seconds()
         return top if gain > self.catch_up.get(top, 0.0) else held
+
+    def lead(self, a: StepKind, b: StepKind) -> tuple[float, float]:
+        """How far ``a`` leads ``b`` (log of ``relative``) as far as the steps can tell, and
+        the standard error of that: the measured lead weighed against how far apart kinds
+        usually are (``LEAD_SPREAD``), as a normal prior on it centred on no lead. A lead
+        measured over a few scattered steps (an exploration whose first step emitted 7
+        tokens, the next 1) is mostly chance and counts for little; one measured over many
+        steady ones counts nearly in full."""
+        measured, doubt = math.log(self.relative(a, b)), self.doubt(a, b)
+        trust = LEAD_SPREAD ** 2 / (LEAD_SPREAD ** 2 + doubt ** 2)
+        return trust * measured, doubt * math.sqrt(trust)
 
     def relative(self, a: StepKind, b: StepKind) -> float:
         """How much faster ``a`` is than ``b``: timed on the same steps where one ran with the
@@ -405,6 +423,12 @@ class Planner:
         if pair is not None and pair.measured:
             return 1.0 / pair.advantage
         return self.speed(a) / self.speed(b)
+
+    def ahead(self, kind: StepKind, best: StepKind | None) -> bool:
+        """Whether ``kind``, measured, is faster than ``best`` by more than ``SWITCH_MARGIN``
+        as measured (however unsure)."""
+        return (best is not None and self.rates[kind].measured
+                and self.relative(kind, best) > 1.0 + SWITCH_MARGIN)
 
     def doubt(self, a: StepKind, b: StepKind) -> float:
         """How far ``relative(a, b)`` may be off by chance, as the standard error of its log:
@@ -430,13 +454,17 @@ class Planner:
         if (self.trial_left > 0 and trial in kinds and trial is not best
                 and self.within_budget()):
             return trial  # an exploration under way (its catching up paid)
-        for kind in kinds:
+        # a kind not yet measured first, then one due to be explored (below)
+        for kind in sorted(kinds, key=lambda k: self.rates[k].measured):
             if kind is best:
                 continue
             # the target alone, once measured, is timed in every drafted step's place
-            # (``counterfactuals``): running it again tells nothing new
-            due = not self.rates[kind].measured or (
-                kind is not StepKind.ROOT and self.idle[kind] + 1 >= self.every[kind])
+            # (``counterfactuals``): running it again tells nothing new. A kind measured
+            # faster than the fastest (by more than the margin, not yet surely: ``fastest``
+            # holds on) is explored again at once: its steps are what can make the lead sure,
+            # and while it runs faster than the fastest they refill the budget they draw on
+            due = not self.rates[kind].measured or (kind is not StepKind.ROOT and (
+                self.idle[kind] + 1 >= self.every[kind] or self.ahead(kind, best)))
             risk = (risks or {}).get(kind, 0.0)
             if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)):
                 return kind

@@ -17,6 +17,7 @@ from speculative.auto import (
     FULL_SHARE_LEAD,
     RECALL_STEPS,
     START_STEPS,
+    SWITCH_DOUBTS,
     SWITCH_MARGIN,
     TRIAL_STEPS,
     Planner,
@@ -880,6 +881,67 @@ def test_a_kind_takes_over_only_when_its_lead_is_beyond_the_steps_noise(steady: 
     for _ in range(EXPLORE_EVERY):
         planner.observe_step(StepKind.GUESSES, 2, 1.0, alternatives=[(StepKind.ROOT, 1, 0.8)])
     assert pair.steps == before
+
+
+def _beside_root(planner: Planner, kind: StepKind, steps: list[tuple[float, float]]) -> None:
+    """Steps of ``kind``, each (tokens, seconds), the target alone timed in each one's place
+    at 1 token a second (itself measured first, at that speed)."""
+    while not planner.rates[StepKind.ROOT].measured:
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    for tokens, seconds in steps:
+        planner.observe_step(kind, tokens, seconds, alternatives=[(StepKind.ROOT, 1, 1.0)])
+
+
+def test_a_short_exploration_that_read_far_ahead_by_chance_does_not_take_over() -> None:
+    """The draft's kind has been running at 1.5 times the target alone; the n-gram's is
+    explored for four steps that emit 7, 1, 5 and 1 tokens: 3.5 times the target alone on them,
+    beyond the draft's lead by more than the steps' standard error, but four scattered steps
+    are mostly chance: weighed against how far apart kinds usually are, the draft stays. The
+    n-gram's kind, measured ahead, is explored again at once (not after EXPLORE_EVERY steps),
+    until its own steps, at the target alone's speed, show it is not."""
+    planner = _planner()
+    _beside_root(planner, StepKind.DRAFT, [(4, 2.0), (2, 2.0)] * 15)
+    assert planner.held is StepKind.DRAFT
+    _beside_root(planner, StepKind.GUESSES, [(7, 1.0), (1, 1.0), (5, 1.0), (1, 1.0)])
+    raw = math.log(planner.relative(StepKind.GUESSES, StepKind.DRAFT))
+    doubt = planner.doubt(StepKind.GUESSES, StepKind.DRAFT)
+    assert raw > math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt  # read alone, a switch
+    assert planner.held is StepKind.DRAFT
+    lead, sure = planner.lead(StepKind.GUESSES, StepKind.DRAFT)
+    assert 0 < lead < raw / 2 and sure < doubt
+    taken = []
+    for _ in range(EXPLORE_EVERY):
+        kind = planner.choose(KINDS)
+        taken.append(kind)
+        if kind is StepKind.GUESSES:
+            _beside_root(planner, kind, [(1, 1.0)])
+        else:
+            _beside_root(planner, kind, [(3, 2.0)])
+        assert planner.held is StepKind.DRAFT
+    explored = len(list(itertools.takewhile(lambda k: k is StepKind.GUESSES, taken)))
+    assert explored > TRIAL_STEPS  # explored on while measured ahead
+    assert StepKind.GUESSES not in taken[explored:]  # and no more once it was not
+    assert planner.speed(StepKind.GUESSES) < planner.speed(StepKind.DRAFT) * (1 + SWITCH_MARGIN)
+
+
+def test_a_kind_measured_ahead_of_the_running_one_runs_until_its_lead_is_sure() -> None:
+    """The n-gram's kind has been running at 1.2 times the target alone; the draft's, explored,
+    reads 1.6 times over four scattered steps: not sure enough to take over, but explored
+    again at every step while it reads ahead, until it is sure and takes over, with no step of
+    the n-gram's kind in between."""
+    planner = _planner()
+    _beside_root(planner, StepKind.GUESSES, [(1.6, 1.0), (0.8, 1.0)] * 15)
+    assert planner.held is StepKind.GUESSES
+    _beside_root(planner, StepKind.DRAFT, [(2.4, 1.0), (0.8, 1.0), (1.6, 1.0), (1.6, 1.0)])
+    assert planner.held is StepKind.GUESSES
+    assert planner.ahead(StepKind.DRAFT, StepKind.GUESSES)
+    taken = []
+    while planner.held is StepKind.GUESSES and len(taken) < 5 * EXPLORE_EVERY:
+        kind = planner.choose(KINDS)
+        taken.append(kind)
+        _beside_root(planner, kind, [(2.0, 1.0), (1.2, 1.0)][len(taken) % 2:][:1])
+    assert planner.held is StepKind.DRAFT
+    assert set(taken) == {StepKind.DRAFT} and len(taken) < EXPLORE_EVERY
 
 
 def test_kinds_are_compared_on_the_same_steps() -> None:
