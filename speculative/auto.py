@@ -426,9 +426,15 @@ class Planner:
 
     def ahead(self, kind: StepKind, best: StepKind | None) -> bool:
         """Whether ``kind``, measured, is faster than ``best`` by more than ``SWITCH_MARGIN``
-        as measured (however unsure)."""
-        return (best is not None and self.rates[kind].measured
-                and self.relative(kind, best) > 1.0 + SWITCH_MARGIN)
+        as measured (however unsure): on the same steps (``relative``), and by each one's
+        speed over the target alone now (``speed``). A pair of the two was timed on the
+        steps where ``best`` ran, and ``kind``'s own steps do not change it; read on that
+        alone, a kind that led on a few steps long ago would be explored at every step
+        while its own steps ran slower than ``best``, each charged to the regret."""
+        if best is None or not self.rates[kind].measured:
+            return False
+        now = self.speed(kind) / self.speed(best)
+        return min(self.relative(kind, best), now) > 1.0 + SWITCH_MARGIN
 
     def doubt(self, a: StepKind, b: StepKind) -> float:
         """How far ``relative(a, b)`` may be off by chance, as the standard error of its log:

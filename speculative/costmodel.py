@@ -566,9 +566,11 @@ def paying_floor(scores: Sequence[float], cost: VerifyCost, t_draft: float,
 
 def guess_length(cost: VerifyCost, batch: int, max_len: int, hit_rate: float) -> int:
     """Stage-2 guess tokens worth adding to a draft batch of ``batch`` tokens: the g that
-    maximises ``hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))`` (a used guess saves
-    about one single-token draft call); 0 when no g gains. Where a batch's second token costs as
-    much as its first, guesses only ride along with batches that are already wide."""
+    maximises ``hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))``, ``hit_rate`` the
+    draft calls a guess token has saved (``plan.saved_calls``), each saved call priced as a
+    single-token one; 0 when no g gains. Where a batch's second token costs as much as its
+    first, guesses only ride along with batches that are already wide, or where they have
+    saved calls often."""
     best_g, best_gain = 0, 0.0
     for g in range(1, max_len + 1):
         gain = hit_rate * g * cost(1) - (cost(batch + g) - cost(batch))

@@ -91,16 +91,18 @@ class Calibrations:
     often the target accepts a node given its parent, by the proposer's probability of it
     (``acceptance``: what a drafter scores its nodes with), and accepted tokens over the
     scores that predicted them (``by_scorer``: what is left to correct, a factor near 1 once
-    the acceptance maps have learned); stage 2's used over proposed guesses."""
+    the acceptance maps have learned); stage 2's draft calls saved over guess tokens decoded
+    (``saved_calls``)."""
 
     by_scorer: dict[Scorer, Calibration] = dataclasses.field(
         default_factory=lambda: {s: Calibration() for s in Scorer})
     acceptance: dict[Scorer, Acceptance] = dataclasses.field(
         default_factory=lambda: {s: Acceptance() for s in Scorer})
     stage2: Calibration = dataclasses.field(default_factory=Calibration)
-    # per draft call of a staged drafter: guesses the tree then used (levels the call gave
+    # per draft call of a staged drafter: draft calls its guesses saved (levels the call gave
     # beyond its own), and guess tokens it decoded
-    stage2_used_per_call: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
+    stage2_saved_per_call: Running = dataclasses.field(
+        default_factory=lambda: Running(prior=0.0))
     stage2_width: Running = dataclasses.field(default_factory=lambda: Running(prior=0.0))
 
     def factor(self, scorer: Scorer) -> float:
@@ -110,14 +112,15 @@ class Calibrations:
         """JSON-able sums, for a later run on the same models (``recalled``)."""
         return {"by_scorer": {s.value: c.memory() for s, c in self.by_scorer.items()},
                 "acceptance": {s.value: a.memory() for s, a in self.acceptance.items()},
-                "stage2": self.stage2.memory(),
-                "stage2_used_per_call": self.stage2_used_per_call.memory(),
+                "stage2_saved": self.stage2.memory(),
+                "stage2_saved_per_call": self.stage2_saved_per_call.memory(),
                 "stage2_width": self.stage2_width.memory()}
 
     def recalled(self, memory: Mapping[str, Any], weight: float) -> Calibrations:
         """These calibrations carried on from ``memory()`` of an earlier run, each worth
         ``weight`` predicted tokens (or draft calls) at most; ValueError for a memory it
-        cannot read."""
+        cannot read. Stage 2's measurements of an older version (guesses used, not calls
+        saved: they overstate what guesses save) start afresh."""
         try:
             by_scorer = {**self.by_scorer, **{
                 Scorer(s): self.by_scorer[Scorer(s)].recalled(m, weight)
@@ -126,9 +129,11 @@ class Calibrations:
             acceptance = {**self.acceptance, **{
                 Scorer(s): self.acceptance[Scorer(s)].recalled(m, weight)
                 for s, m in memory.get("acceptance", {}).items()}}
+            if "stage2_saved" not in memory:
+                return Calibrations(by_scorer, acceptance)
             return Calibrations(
-                by_scorer, acceptance, self.stage2.recalled(memory["stage2"], weight),
-                self.stage2_used_per_call.recalled(memory["stage2_used_per_call"], weight),
+                by_scorer, acceptance, self.stage2.recalled(memory["stage2_saved"], weight),
+                self.stage2_saved_per_call.recalled(memory["stage2_saved_per_call"], weight),
                 self.stage2_width.recalled(memory["stage2_width"], weight))
         except (KeyError, TypeError, AttributeError) as exc:
             raise ValueError(f"not calibrations: {exc!r}") from exc
@@ -168,13 +173,32 @@ class Calibrations:
         for scorer, (probs, first, accepted, weights) in tried.items():
             self.acceptance[scorer].add(probs, first, accepted, weights)
         counters = plan.counters
-        if counters.stage2_proposed:
-            self.stage2.add(counters.stage2_used, counters.stage2_proposed)
-        if counters.calls and getattr(plan.drafter, "lookahead", None) is not None:
+        if getattr(plan.drafter, "lookahead", None) is None:
+            return
+        saved = saved_calls(plan)
+        if counters.stage2_proposed or saved:
+            self.stage2.add(saved, counters.stage2_proposed)
+        if counters.calls:
             # per call of a staged drafter, the calls that carried no guess included: the
             # sizer prices every call by these, and where guesses rarely pay (sampled trees,
             # whose draws seldom follow the n-gram's greedy guess) a mean over the calls
             # that carried some would price every call as wide as those few
-            self.stage2_used_per_call.add(counters.stage2_used / counters.calls,
-                                          counters.calls)
+            self.stage2_saved_per_call.add(saved / counters.calls, counters.calls)
             self.stage2_width.add(counters.stage2_proposed / counters.calls, counters.calls)
+
+
+def saved_calls(plan: StepPlan) -> int:
+    """Draft calls a staged step's guesses saved: the draft batches drafting the verified
+    tree one level per batch would have taken (a batch for each depth at which a node has
+    children the draft model proposed, the root's included), less the batches it took.
+
+    Not the guesses the tree used: a guess the draft agreed with expands its node for free,
+    but a level that no batch would have paid for is not a batch saved, and a level whose
+    other nodes took a batch anyway saved none; counted as used, guesses looked worth
+    several times what they saved, and where a wide draft batch costs much more than a
+    narrow one they made drafting slower. The verified tree is the one that paid; batches
+    that grew nodes it cut are counted as taken (a saving is never overstated)."""
+    tree = plan.tree.tree
+    depths = {tree.depths[tree.parents[v]] for v in range(1, len(tree))
+              if plan.scored.get(tree.path(v), (None,))[0] is Scorer.DRAFT}
+    return max(len(depths) - plan.counters.calls, 0)

@@ -235,7 +235,7 @@ class Resources:
         sizer, cal = self.sizer, self.calibrations
         assert sizer is not None
         calibration = cal.factor(Scorer.DRAFT)
-        levels = 1.0 + cal.stage2_used_per_call.value if staged else 1.0
+        levels = 1.0 + cal.stage2_saved_per_call.value if staged else 1.0
         width = cal.stage2_width.value if staged else 0.0
         t0 = time.perf_counter()
 

@@ -318,15 +318,56 @@ def test_a_staged_drafters_calls_are_priced_by_all_of_them() -> None:
 
     calibrations = Calibrations()
     tree = TokenTree.rooted(7)
-    tree.add(0, 1, 0.6, "draft", 0.6)
+    node = 0
+    for token in (1, 2, 3):  # three levels: three batches, one level at a time
+        node = tree.add(node, token, 0.6 ** token, "draft", 0.6)
     guessing, plain = Staged(), Staged()
-    guessing.counters = DraftCounters(calls=1, stage2_proposed=4, stage2_used=1)
+    guessing.counters = DraftCounters(calls=1, stage2_proposed=4, stage2_used=3)
     plain.counters = DraftCounters(calls=3)
     for drafter in (guessing, plain):
         plan = StepPlan.scored_by(_Tree(tree, {}), drafter, StepKind.DRAFT, Scorer.DRAFT)
         calibrations.observe(plan, [1])
     assert calibrations.stage2_width.value == pytest.approx(4 / 4, rel=0.05)
-    assert calibrations.stage2_used_per_call.value == pytest.approx(1 / 4, rel=0.05)
+    # the guessing step saved two of its three batches, the other none
+    assert calibrations.stage2_saved_per_call.value == pytest.approx(2 / 4, rel=0.05)
+
+
+def test_guesses_are_credited_with_the_batches_they_saved_not_the_nodes_they_answered() -> None:
+    """A guess the draft agreed with answers its node for free, but saves a batch only where
+    the verified tree has a level no batch drafted: levels that other nodes' batch drafted
+    anyway, and guessed nodes whose children the cut dropped, save nothing; the n-gram's own
+    branches (``auto``'s merged trees) never needed the draft at all."""
+    from speculative.drafting import DraftTree as _Tree
+    from speculative.plan import StepPlan, saved_calls
+
+    class Staged:
+        lookahead = object()
+        counters = DraftCounters()
+
+    def plan(tree: TokenTree, calls: int, ngram: frozenset[int] = frozenset()) -> StepPlan:
+        drafter = Staged()
+        drafter.counters = DraftCounters(calls=calls, stage2_proposed=4, stage2_used=2)
+        return StepPlan.scored_by(_Tree(tree, {}), drafter, StepKind.DRAFT, Scorer.DRAFT,
+                                  skip=ngram)
+
+    spine = TokenTree.rooted(7)
+    a = spine.add(0, 1, 0.9, "draft", 0.9)
+    b = spine.add(a, 2, 0.8, "ngram", 0.9)  # a guess the draft agreed with
+    spine.add(b, 3, 0.7, "ngram", 0.9)      # ... and the next
+    assert saved_calls(plan(spine, 1)) == 2  # three levels from the root's batch alone
+    assert saved_calls(plan(spine, 3)) == 0  # a batch per level: nothing saved
+    cut = TokenTree.rooted(7)
+    cut.add(cut.add(0, 1, 0.9, "draft", 0.9), 2, 0.8, "ngram", 0.9)
+    assert saved_calls(plan(cut, 1)) == 1  # the third level was cut: no batch would pay it
+    wide = TokenTree.rooted(7)
+    a = wide.add(0, 1, 0.9, "draft", 0.9)
+    side = wide.add(0, 4, 0.05, "draft", 0.05)
+    wide.add(a, 2, 0.8, "draft", 0.9)  # answered by a guess...
+    wide.add(side, 5, 0.04, "draft", 0.8)  # ... but its level took a batch for this one
+    assert saved_calls(plan(wide, 2)) == 0
+    merged = TokenTree.rooted(7)
+    merged.add(merged.add(0, 1, 0.9, "ngram", 0.9), 2, 0.8, "ngram", 0.9)
+    assert saved_calls(plan(merged, 0, ngram=frozenset({1, 2}))) == 0
 
 
 def test_merged_tree_holds_both_trees_scored_by_their_calibrations() -> None:
@@ -1036,3 +1077,30 @@ def test_paired_timings_are_recalled_with_their_spread_and_from_older_memories()
     for bad in ([1.0, 2.0], [*pair.memory()[:5], math.nan, 1.0], [*pair.memory()[:5], 0.0, -1.0]):
         with pytest.raises(ValueError):
             Paired.recalled(bad, RECALL_STEPS)
+
+
+def test_a_kind_read_ahead_long_ago_is_not_explored_at_every_step_while_it_runs_slower() -> None:
+    """On the draft's steps the n-gram's tree, timed in their place, would have been faster:
+    read on those steps alone it stays ahead whatever its own steps show (they do not change
+    that comparison). Explored, the n-gram's kind runs at the target alone's speed, below the
+    draft's: once its own speed reads below the draft's it is no longer explored at every
+    step, and the draft runs until the next exploration is due."""
+    planner = _planner()
+    while not planner.rates[StepKind.ROOT].measured:
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    for _ in range(4):
+        planner.observe_step(StepKind.DRAFT, 1.5, 1.0, alternatives=[
+            (StepKind.GUESSES, 2.0, 1.0), (StepKind.ROOT, 1, 1.0)])
+    assert planner.relative(StepKind.GUESSES, StepKind.DRAFT) > 1.0 + SWITCH_MARGIN
+    taken = []
+    for _ in range(EXPLORE_EVERY):
+        kind = planner.choose(KINDS)
+        taken.append(kind)
+        if kind is StepKind.DRAFT:
+            planner.observe_step(kind, 1.5, 1.0, alternatives=[
+                (StepKind.GUESSES, 1.5, 1.0), (StepKind.ROOT, 1, 1.0)])
+        else:
+            _beside_root(planner, kind, [(1.0, 1.0)])
+    guessed = taken.count(StepKind.GUESSES)
+    assert TRIAL_STEPS <= guessed <= TRIAL_STEPS + 3, taken
+    assert taken[-EXPLORE_EVERY // 2:] == [StepKind.DRAFT] * (EXPLORE_EVERY // 2)
