@@ -388,19 +388,13 @@ class Planner:
         ``catch_up``) costs its seconds at once, the speed difference gains only over the
         steps the new kind then runs (``HOLD_STEPS`` at least, before anything is explored
         again). Two kinds about as fast would otherwise alternate with the noise of their
-        measured speeds, and the draft would catch up at every switch. Where no kind has been
-        running (a fresh start, or the running one no longer measured), the draft's kind is
-        held: its steps time the others in their place (the target alone beside every one,
-        greedy the n-gram's tree too), so a lead over it is soon sure, while the others'
-        steps tell nothing of it; picked by their first few steps each, the first pick would
-        be chance, and it would stick."""
+        measured speeds, and the draft would catch up at every switch."""
         measured = [k for k in kinds if self.rates[k].measured]
         if not measured:
             return None
         top = max(measured, key=self.speed)
-        held = self.held if self.held in measured else (
-            StepKind.DRAFT if StepKind.DRAFT in measured else None)
-        if held is None or held is top:
+        held = self.held
+        if held is None or held is top or held not in measured:
             return top
         lead, doubt = self.lead(top, held)
         if lead <= math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt:

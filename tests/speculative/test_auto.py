@@ -1104,25 +1104,3 @@ def test_a_kind_read_ahead_long_ago_is_not_explored_at_every_step_while_it_runs_
     guessed = taken.count(StepKind.GUESSES)
     assert TRIAL_STEPS <= guessed <= TRIAL_STEPS + 3, taken
     assert taken[-EXPLORE_EVERY // 2:] == [StepKind.DRAFT] * (EXPLORE_EVERY // 2)
-
-
-def test_a_fresh_start_holds_the_draft_until_another_kind_is_surely_faster() -> None:
-    """A fresh start measures each kind on its first few steps: the n-gram's read far ahead of
-    the draft's on three of them by chance, but picked by those, the pick would stick (a
-    switch needs a sure lead). The draft's kind is held, whose steps time the n-gram's tree in
-    their place; once those show the n-gram's tree surely faster on the same steps, it takes
-    over."""
-    planner = _planner()
-    for _ in range(4):
-        planner.observe_step(StepKind.DRAFT, 2.0, 1.0, alternatives=[
-            (StepKind.GUESSES, 1.5, 0.9), (StepKind.ROOT, 1, 0.6)])
-    for tokens in (7, 1, 5, 1):
-        _beside_root(planner, StepKind.GUESSES, [(tokens, 1.0)])
-    assert planner.speed(StepKind.GUESSES) > planner.speed(StepKind.DRAFT)
-    assert planner.held is StepKind.DRAFT
-    steps = 0
-    while planner.held is StepKind.DRAFT and steps < 3 * EXPLORE_EVERY:
-        planner.observe_step(StepKind.DRAFT, 2.0, 1.0, alternatives=[
-            (StepKind.GUESSES, (3.0, 2.0)[steps % 2], 0.9), (StepKind.ROOT, 1, 0.6)])
-        steps += 1
-    assert planner.held is StepKind.GUESSES and steps < EXPLORE_EVERY
