@@ -783,12 +783,16 @@ class AutoPolicy:
         """What each of the plan's alternatives would have emitted in this step, and in how
         many seconds: the step's own time outside planning and the target's pass, the
         alternative's planning, and the target's pass over the alternative's batch at this
-        moment (so the machine's load of the moment is in both): over the root alone, the
-        engine's estimate of such a pass (``Outcome.t_single``: a pass's fixed costs do not
-        shrink with the cost curve, and scaled by the curve alone a drafted step's plain
-        counterpart read fast, and the draft's kind slow beside the others); over a tree, this
-        pass scaled by the cost curve. The tokens are known exactly where verification is
-        deterministic: greedy, or the target alone."""
+        moment (so the machine's load of the moment is in both): over a tree, this pass scaled
+        by the cost curve; the target alone, a step of its own at this moment
+        (``Outcome.t_alone``: the engine's estimate of its pass, whose fixed costs do not
+        shrink with the cost curve, and the loop's time around such a pass as measured on its
+        steps, which is less than around a tree's: a tree's verification and bookkeeping
+        counted in, the target alone read slow beside the drafted kinds where a pass costs
+        little more than the loop, and they ran where it was faster), or before any such
+        step, this step's time outside planning and its pass, its planning, and the
+        estimated pass. The tokens are known exactly where verification is deterministic:
+        greedy, or the target alone."""
         curve = self.planner.sizer.target.curve
         if outcome.batch < 1 or not plan.alternatives:
             return []
@@ -800,6 +804,10 @@ class AutoPolicy:
             if alt.kind is not StepKind.ROOT and not self.planner.greedy:
                 continue  # a sampled tree's acceptance is a draw: not known for this step
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
+            if batch == 1 and outcome.t_alone > 0:
+                out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits),
+                            outcome.t_alone))
+                continue
             if batch == 1 and outcome.t_single > 0:
                 verify = outcome.t_single
             else:

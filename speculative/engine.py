@@ -349,9 +349,10 @@ class Engine:
                                         t_penalties=penalties.seconds)
         if res.sizer is not None:
             res.sizer.steps_overhead.add(stats.t_other)
+        alone = plain if batch == 1 or self._overhead.weight > 0 else 0.0
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0,
                                      t1 - t0, t2 - t1, batch, verdict.next_token, single,
-                                     verdict.expected + 1))
+                                     alone, verdict.expected + 1))
         tree = plan.tree.tree
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         return [*accepted, verdict.next_token], origins, stats

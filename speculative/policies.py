@@ -122,6 +122,9 @@ class Outcome:
     # the target's pass over the root alone, at this moment: this pass where it was one, else
     # the engine's estimate from it (0: unknown)
     t_single: float = 0.0
+    # a step with the target alone at this moment: ``t_single`` and the loop's time around
+    # such a pass, measured on such steps (the meter's plain token); 0 before any such step
+    t_alone: float = 0.0
     # tokens the step adds on average over the acceptance rule's draws, given its tree and the
     # target's distributions over it (``Verdict.expected`` + 1); greedy, ``emitted``; None:
     # not known (counted as ``emitted``)

@@ -836,7 +836,8 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
     planning and the pass, plus the engine's estimate of a single-token pass at this moment
     (a pass's fixed costs do not shrink with the curve, so scaling the drafted pass down by
     the curve would read fast); another tree costs that plus its planning, its pass scaled
-    from this one by the curve. Without the engine's estimate the root's pass is scaled too."""
+    from this one by the curve. Without the engine's estimate the root's pass is scaled too.
+    Once the target alone's steps have been timed, its counterfactual is the engine's."""
     from types import SimpleNamespace
 
     from speculative.auto import AutoPolicy
@@ -866,6 +867,42 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
     unknown = dataclasses.replace(outcome, t_single=0.0)
     assert policy.counterfactuals(plan, unknown)[1][2] == pytest.approx(
         rest + 0.20 * curve(1) / curve(4))
+    # once steps with the target alone have been timed, its step at this moment is the
+    # engine's: its pass and the loop's time around such a pass, measured on those steps
+    # (less than around this tree's pass), not this step's time outside its pass
+    alone = dataclasses.replace(outcome, t_alone=0.185)
+    assert policy.counterfactuals(plan, alone)[1][2] == pytest.approx(0.185)
+    assert policy.counterfactuals(plan, alone)[0][2] == pytest.approx(gu_s)
+
+
+def test_the_target_alones_counterfactual_is_the_meters_plain_token() -> None:
+    """The engine tells ``auto`` what a step with the target alone costs at this moment: on
+    such a step, the step itself outside drafting; on a drafted one, before any such step,
+    nothing (0), and after, the drafted pass's single-token estimate plus the loop's time
+    around the target alone's passes (the plain token the meter counts)."""
+    from speculative.policies import Outcome
+
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    seen: list[tuple[StepKind, Outcome]] = []
+    observe = engine._policy(Mode.AUTO).observe
+
+    def spy(plan, outcome) -> None:
+        seen.append((plan.kind, outcome))
+        observe(plan, outcome)
+
+    engine._policy(Mode.AUTO).observe = spy
+    run = RunStats()
+    for prompt in PROMPTS[:4]:
+        assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16)
+    kinds = [kind for kind, _ in seen]
+    first_alone = kinds.index(StepKind.ROOT)
+    assert all(o.t_alone == 0.0 for k, o in seen[:first_alone] if o.batch > 1)
+    assert all(o.t_alone > 0.0 for _, o in seen[first_alone:])
+    for kind, o in seen[first_alone:]:
+        if kind is StepKind.ROOT:
+            assert o.t_alone <= o.seconds
+        else:  # the loop's time around a pass with the target alone is added to its pass
+            assert o.t_alone > o.t_single > 0
 
 
 @pytest.mark.parametrize("greedy", [False, True])
