@@ -434,3 +434,31 @@ def test_caches_keep_the_text_another_engine_shared_and_forget_the_rest() -> Non
     turn = [*prompt, *first, 5]
     assert _generate(engine, turn, 12) == _plain(turn, 12)
     assert engine.target.ctx.held(0) == engine.target.tokens
+
+
+def _priced(mode: Mode, target_cost: tuple, draft_cost: tuple,
+            corpus: list[list[int]] | None) -> RunStats:
+    """An adaptive run of ``mode`` on the given curves, with a draft that agrees with the
+    target; its steps."""
+    from speculative.costmodel import VerifyCost
+
+    engine = _engine(mode, TreeBudget(12, 6, 2), corpus=corpus, draft=TARGET)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), target_cost)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), draft_cost)
+    run = RunStats()
+    assert _generate(engine, [3, 4], 48, run=run) == _plain([3, 4], 48)
+    return run
+
+
+def test_stage2_guesses_priced_by_the_batches_they_save_still_cut_batches_on_a_flat_curve(
+        ) -> None:
+    """Guesses are credited with the draft batches they saved, not the nodes they answered.
+    Where the n-gram knows the text, a wider draft batch costs little more (a flat draft
+    curve) and deep trees pay (a flat target curve), the guesses keep riding along, sized by
+    the sizer, and cut the draft's batches by at least 40% against tree mode."""
+    text = _plain([3, 4], 60)
+    knows = [[3, 4, *text]] * 3
+    tree = _priced(Mode.TREE, FLAT, CHEAP_DRAFT, knows)
+    staged = _priced(Mode.STAGED, FLAT, CHEAP_DRAFT, knows)
+    assert staged.draft_calls_per_step <= 0.6 * tree.draft_calls_per_step
+    assert sum(s.stage2_proposed for s in staged.steps[len(staged.steps) // 2:]) > 0
