@@ -805,15 +805,13 @@ class AutoPolicy:
                 continue  # a sampled tree's acceptance is a draw: not known for this step
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
             if batch == 1 and outcome.t_alone > 0:
-                out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits),
-                            outcome.t_alone))
-                continue
-            if batch == 1 and outcome.t_single > 0:
-                verify = outcome.t_single
+                seconds = outcome.t_alone
+            elif batch == 1 and outcome.t_single > 0:
+                seconds = rest + alt.t_plan + outcome.t_single
             else:
-                verify = outcome.t_verify * curve(batch) / curve(outcome.batch)
-            out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits),
-                        rest + alt.t_plan + verify))
+                seconds = rest + alt.t_plan + (
+                    outcome.t_verify * curve(batch) / curve(outcome.batch))
+            out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits), seconds))
         return out
 
 
