@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
 import tempfile
 from pathlib import Path
 
@@ -13,6 +15,8 @@ os.environ.setdefault("QT_QPA_PLATFORM", "offscreen")
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="staged-chat-test-cache-")
 
 from models.gguf_writer import Gpt2Config, random_gpt2_weights, read_vocab, write_gpt2_gguf
+
+atexit.register(shutil.rmtree, os.environ["XDG_CACHE_HOME"], ignore_errors=True)
 
 TINY = Gpt2Config(n_ctx=256, n_embd=64, n_layer=3, n_head=2)
 """A GPT-2 with the real 50257-token vocabulary, small enough to decode in ~0.5 ms."""
