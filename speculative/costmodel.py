@@ -41,6 +41,7 @@ import json
 import logging
 import math
 import os
+import statistics
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
@@ -630,7 +631,7 @@ class PassLoads:
         if min(len(r) for r in recent) < PASS_MIN:
             return self.known
         low, high = PASS_FACTOR_RANGE
-        self.known = min(max(float(np.median(recent[1])) / float(np.median(recent[0])), low),
+        self.known = min(max(statistics.median(recent[1]) / statistics.median(recent[0]), low),
                          high)
         return self.known
 

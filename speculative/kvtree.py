@@ -53,6 +53,11 @@ class KVTree:
         self.tokens: list[int] = []  # what sequence 0 holds, position by position
         self._next_seq = 1
         self._nodes = 0  # cells held by this step's uncommitted nodes
+        # whether the cells are known to hold sequence 0's committed tokens and nothing else
+        # (after a rollback or a commit, until tree nodes are decoded): then there is nothing
+        # to roll back, and llama.cpp's ``seq_keep``, a pass over every cell of the cache, is
+        # skipped where the target alone or a chain of committed tokens was decoded
+        self._clean = False
         self.last_batch = 0  # tokens in the last decoded batch (the graph llama.cpp holds)
         # the logits after the last committed token when they were decoded with it (a draft's
         # answer for the next step's root, see ``commit``); None once the text changes
@@ -86,6 +91,7 @@ class KVTree:
         self.ctx.seq_rm(0, len(self.tokens), -1)
         self._next_seq = 1
         self._nodes = 0
+        self._clean = True
 
     def keep(self, text: Sequence[int]) -> None:
         """Keep what the cache shares with ``text`` and forget the rest, every other sequence's
@@ -103,6 +109,7 @@ class KVTree:
         self.tip_logits = None
         self._next_seq = 1
         self._nodes = 0
+        self._clean = True
 
     def prepare(self, committed: Sequence[int], max_pending: int) -> list[int]:
         """Cache all but the last few ``committed`` tokens; return those (at least the last).
@@ -115,7 +122,8 @@ class KVTree:
             raise ValueError("nothing to decode")
         if len(committed) > self.ctx.n_ctx:
             raise PromptTooLong(len(committed), self.ctx.n_ctx)
-        self.rollback()
+        if not self._clean:
+            self.rollback()
         self.tip_logits = None  # the last token is decoded again: its logits come back
         start = min(_common_prefix(self.tokens, committed), len(committed) - 1)
         self.ctx.seq_rm(0, start, -1)
@@ -140,6 +148,8 @@ class KVTree:
             raise ContextOverflow(f"a batch of {n} tokens needs {n} KV cells, but only "
                                   f"{self.cells_free} of {self.ctx.n_ctx} are free")
         pos, anchor = self._positions(parents)
+        if any(p is not COMMIT for p in parents):
+            self._clean = False  # (before any cell changes: a failed decode is rolled back)
         is_parent = [False] * n
         for p in parents:
             if isinstance(p, int):
@@ -231,7 +241,8 @@ class KVTree:
         ``tip_logits``: the logits decoded after its last token, if the caller kept them."""
         if len(self.tokens) + len(tokens) != slot.pos + 1:
             raise ValueError(f"path of {len(tokens)} tokens does not end at position {slot.pos}")
-        self.ctx.seq_keep(slot.seq)
+        if not self._clean:  # (clean: sequence 0 is the only one)
+            self.ctx.seq_keep(slot.seq)
         self.ctx.seq_rm(slot.seq, slot.pos + 1, -1)
         if slot.seq != 0:
             self.ctx.seq_cp(slot.seq, 0, -1, -1)
@@ -240,6 +251,7 @@ class KVTree:
         self.tip_logits = tip_logits
         self._next_seq = 1
         self._nodes = 0
+        self._clean = True
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:

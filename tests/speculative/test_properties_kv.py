@@ -61,6 +61,42 @@ def _assert_cache_is_the_committed_text(kv: KVTree, committed: list[int]) -> Non
     assert kv.cells_free == ctx.n_ctx - len(kv.tokens)
 
 
+class _CountingContext(FakeContext):
+    """Counts ``seq_keep`` calls: in llama.cpp each is a pass over every cell of the cache."""
+
+    keeps = 0
+
+    def seq_keep(self, seq: int) -> None:
+        self.keeps += 1
+        super().seq_keep(seq)
+
+
+def test_the_target_alone_makes_no_pass_over_the_cells_once_the_cache_is_clean() -> None:
+    """After a commit only sequence 0 is in the cache, and a step that decodes committed
+    tokens alone leaves it so: nothing to roll back or keep. A tree's step still cleans up
+    after itself, and the next step finds the cache clean again."""
+    ctx = _CountingContext(TARGET, n_ctx=64, n_batch=16, n_seq_max=8)
+    kv = KVTree(ctx)
+    committed = [1, 2, 3]
+    for token in (4, 5, 6, 7):  # the target alone
+        slots, _ = _decode_tree(kv, committed, TokenTree.rooted(committed[-1]))
+        kv.commit(slots[0], [])
+        committed.append(token)
+    assert ctx.keeps == 1  # the first step's, on a cache of unknown content
+    tree = TokenTree.rooted(committed[-1])
+    child = tree.add(0, 1, 1.0, "draft")
+    tree.add(0, 2, 1.0, "draft")
+    slots, _ = _decode_tree(kv, committed, tree)
+    kv.commit(slots[child], [1])
+    committed += [1, 3]
+    assert ctx.keeps == 2
+    _assert_cache_is_the_committed_text(kv, committed)
+    slots, _ = _decode_tree(kv, committed, TokenTree.rooted(committed[-1]))
+    kv.commit(slots[0], [])
+    assert ctx.keeps == 2
+    _assert_cache_is_the_committed_text(kv, committed + [0])
+
+
 @settings(max_examples=300, deadline=None, database=None)
 @given(st.data(), st.integers(6, 40), st.integers(3, 16), st.integers(2, 10))
 def test_cache_equals_a_from_scratch_decode_after_any_accept_reject_sequence(
