@@ -94,7 +94,7 @@ def test_the_target_alone_makes_no_pass_over_the_cells_once_the_cache_is_clean()
     slots, _ = _decode_tree(kv, committed, TokenTree.rooted(committed[-1]))
     kv.commit(slots[0], [])
     assert ctx.keeps == 2
-    _assert_cache_is_the_committed_text(kv, committed + [0])
+    _assert_cache_is_the_committed_text(kv, [*committed, 0])
 
 
 @settings(max_examples=300, deadline=None, database=None)
