@@ -15,7 +15,7 @@ measured instead: the target alone is a kind of its own, timed in every drafted 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
 fastest runs. The other drafted kinds are explored again after ``EXPLORE_EVERY`` steps (the
-wait doubles while an exploration keeps losing, up to ``MAX_BACKOFF`` times), and a kind not yet
+wait doubles while explorations keep surely losing, up to ``MAX_BACKOFF`` times), and a kind not yet
 measured is tried first; the target alone, once measured, is not run to be measured again (it is
 timed in every drafted step's place, below). An exploration runs ``TRIAL_STEPS`` steps in a
 row (while the budget below allows): one step is a noisy sample of the text as it is now, and
@@ -595,8 +595,12 @@ class Planner:
                 self.trial, self.trial_left = kind, TRIAL_STEPS
             self.trial_left -= 1
             if self.trial_left == 0 and self.rates[kind].measured:
-                # an exploration done: wait longer before the next while this kind loses
-                lost = self.speed(kind) < self.speed(best)
+                # an exploration done: wait longer before the next while this kind surely
+                # loses (by more than the margin, beyond the doubt, as ``fastest`` switches);
+                # one about as fast is explored again at the usual wait, and costs about
+                # nothing: what decides between such kinds is more of their steps
+                lead, doubt = self.lead(best, kind)
+                lost = lead > math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
                 self.every[kind] = _backoff(self.every[kind], lost)
         self.held = self.fastest(list(StepKind))
 

@@ -520,6 +520,20 @@ def test_each_kind_is_measured_then_the_fastest_runs() -> None:
     assert waits[0] == 2 * EXPLORE_EVERY and waits[1] == 2 * waits[0]
 
 
+def test_a_kind_about_as_fast_as_the_fastest_is_explored_at_the_usual_wait() -> None:
+    """Only an exploration that surely lost (by more than SWITCH_MARGIN) lengthens the wait:
+    one that came out about even, however it read, is tried again after EXPLORE_EVERY steps
+    (about as fast, it costs about nothing, and more of its steps are what can tell)."""
+    planner = _planner()
+    planner.regret = -1e9  # budget to spare: only the waits decide
+    seconds = {StepKind.DRAFT: 1.0, StepKind.GUESSES: 1.02, StepKind.ROOT: 3.0}
+    taken = _take(planner, seconds, 12 * EXPLORE_EVERY)[12:]
+    assert planner.fastest(KINDS) is StepKind.DRAFT
+    assert planner.every[StepKind.GUESSES] == EXPLORE_EVERY
+    trials = [kind for kind, _ in itertools.groupby(taken)].count(StepKind.GUESSES)
+    assert trials >= len(taken) // (EXPLORE_EVERY + TRIAL_STEPS) - 1
+
+
 def test_auto_explores_only_while_its_losses_fit_the_budget() -> None:
     """A kind other than the fastest may run only while the time lost so far (regret) is under
     what the time spent earned (plus a fresh start's allowance): each second EXPLORE_FLOOR of
