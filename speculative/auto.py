@@ -17,8 +17,8 @@ the target alone on the same steps (see below; decayed, the text's difficulty dr
 fastest runs. The other drafted kinds are explored again after ``EXPLORE_EVERY`` steps (the
 wait doubles while explorations keep surely losing, up to ``MAX_BACKOFF`` times), and a kind
 not yet measured is tried first; the target alone, once measured, is not run to be measured
-again (it is timed in every drafted step's place, below). An exploration runs ``TRIAL_STEPS`` steps in a
-row (while the budget below allows): one step is a noisy sample of the text as it is now, and
+again (it is timed in every drafted step's place, below). An exploration runs ``TRIAL_STEPS``
+steps in a row (while the budget below allows): one step is a noisy sample of the text as it is now, and
 the draft pays its catching up once per exploration, not per step. What a kind measured before
 it sat idle has aged by the steps it sat out (the text has moved on since): a kind timed on
 the first steps of a reply, where every new batch shape builds a graph, would otherwise keep
