@@ -18,26 +18,26 @@ fastest runs. The other drafted kinds are explored again after ``EXPLORE_EVERY``
 wait doubles while explorations keep surely losing, up to ``MAX_BACKOFF`` times), and a kind
 not yet measured is tried first; the target alone, once measured, is not run to be measured
 again (it is timed in every drafted step's place, below). An exploration runs ``TRIAL_STEPS``
-steps in a row (while the budget below allows): one step is a noisy sample of the text as it is now, and
-the draft pays its catching up once per exploration, not per step. What a kind measured before
-it sat idle has aged by the steps it sat out (the text has moved on since): a kind timed on
-the first steps of a reply, where every new batch shape builds a graph, would otherwise keep
-that slow measurement against a few explorations, and lose to a kind measured since. The
-draft's catching up on text it skipped while other kinds ran is left out of the draft's
-measured speed (a cost of switching, not of the kind: a kind explored one step at a time
-would pay it at every step) and priced where switching is decided: the kind that has been
+steps in a row (while the budget below allows): one step is a noisy sample of the text as it is
+now, and the draft pays its catching up once per exploration, not per step. What a kind
+measured before it sat idle has aged by the steps it sat out (the text has moved on since): a
+kind timed on the first steps of a reply, where every new batch shape builds a graph, would
+otherwise keep that slow measurement against a few explorations, and lose to a kind measured
+since. The draft's catching up on text it skipped while other kinds ran is left out of the
+draft's measured speed (a cost of switching, not of the kind: a kind explored one step at a
+time would pay it at every step) and priced where switching is decided: the kind that has been
 running stays the fastest against one that must catch up until the measured difference, over
-the steps the new kind would run, repays the catching up, and against any kind until it
-leads by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other
-as its alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the
-steps' own spread: two kinds about as fast would otherwise alternate with the noise of their
+the steps the new kind would run, repays the catching up, and against any kind until it leads
+by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other as its
+alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the steps'
+own spread: two kinds about as fast would otherwise alternate with the noise of their
 measurements, pay the catching up at every switch, and a kind that won a short exploration by
 chance would run until the noise turned), the lead itself weighed against how far apart kinds
 usually are (``LEAD_SPREAD``: a lead measured over three scattered steps is mostly chance,
-however far it reads). A kind measured faster than the running one by more than the margin,
-but not surely, is explored again at once rather than after the wait (the budget allowing):
-its own steps are what can make the lead sure, and while it runs faster they refill the budget
-they draw on. It is counted in the regret below.
+however far it reads). A kind measured faster than the running one by more than the margin, but
+not surely, is explored again at once rather than after the wait (the budget allowing): its own
+steps are what can make the lead sure, and while it runs faster they refill the budget they
+draw on. It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
