@@ -42,13 +42,11 @@ class Sizer:
     # the estimated acceptance of an expanded node's best child, given the node's (its score
     # over its parent's)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
-    # the step's: the target's curve at its context as measured (``curve``), as its passes
-    # cost in decoding (``priced``: drafted passes against single tokens, see ``locate``),
-    # that priced after the last batch's shape (``target``), and the draft's at its context
-    curve: VerifyCost = dataclasses.field(init=False)
-    priced: VerifyCost = dataclasses.field(init=False)
-    target: VerifyCost = dataclasses.field(init=False)
-    draft: VerifyCost | None = dataclasses.field(init=False)
+    # where the coming step is priced (``locate``): its context, the last batch's size and
+    # the drafted passes' factor; the step's curves are worked out from them when first asked
+    # for (a step of the target alone asks for none of the draft's)
+    located: tuple[int, int | None, float] = dataclasses.field(init=False)
+    _curves: dict[str, VerifyCost | None] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.locate(0, None)
@@ -58,11 +56,38 @@ class Sizer:
         batch of ``last`` tokens (None: shapes unpriced), its drafted passes ``drafted``
         times as dear against a single token as the measured curve says (what they have
         recently cost in decoding: ``VerifyCost.drafted``)."""
-        self.curve = self.measured_target.at(context)
-        self.priced = self.curve.drafted(drafted)
-        self.target = self.priced.after(last)
-        self.draft = (self.measured_draft.at(context) if self.measured_draft is not None
-                      else None)
+        self.located = (context, last, drafted)
+        self._curves = {}
+
+    @property
+    def curve(self) -> VerifyCost:
+        """The target's curve at the step's context, as measured."""
+        if "curve" not in self._curves:
+            self._curves["curve"] = self.measured_target.at(self.located[0])
+        return self._curves["curve"]  # type: ignore[return-value]
+
+    @property
+    def priced(self) -> VerifyCost:
+        """``curve`` as the target's passes cost in decoding (drafted passes against single
+        tokens, see ``locate``)."""
+        if "priced" not in self._curves:
+            self._curves["priced"] = self.curve.drafted(self.located[2])
+        return self._curves["priced"]  # type: ignore[return-value]
+
+    @property
+    def target(self) -> VerifyCost:
+        """``priced`` after the last batch's shape: what the step's batch of n tokens costs."""
+        if "target" not in self._curves:
+            self._curves["target"] = self.priced.after(self.located[1])
+        return self._curves["target"]  # type: ignore[return-value]
+
+    @property
+    def draft(self) -> VerifyCost | None:
+        """The draft's curve at the step's context (None without a draft)."""
+        if "draft" not in self._curves:
+            self._curves["draft"] = (self.measured_draft.at(self.located[0])
+                                     if self.measured_draft is not None else None)
+        return self._curves["draft"]
 
     @property
     def overhead(self) -> float:
