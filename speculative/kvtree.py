@@ -255,9 +255,15 @@ class KVTree:
 
 
 def _common_prefix(a: Sequence[int], b: Sequence[int]) -> int:
-    n = 0
+    """How many first tokens ``a`` and ``b`` share. Mostly one holds all of the other (the
+    cache and the text it caches, a step apart): that is one comparison of the two slices;
+    otherwise token by token."""
+    n = min(len(a), len(b))
+    if list(a[:n]) == list(b[:n]):
+        return n
+    i = 0
     for x, y in zip(a, b, strict=False):
         if x != y:
             break
-        n += 1
-    return n
+        i += 1
+    return i
