@@ -23,6 +23,7 @@ wide; where a second batch token costs most of a pass, only where the draft is c
 from __future__ import annotations
 
 import dataclasses
+from collections.abc import Callable
 
 from .costmodel import Running, VerifyCost, accepted_estimate
 
@@ -59,35 +60,40 @@ class Sizer:
         self.located = (context, last, drafted)
         self._curves = {}
 
+    def _located(self, name: str, make: Callable[[], VerifyCost | None]) -> VerifyCost | None:
+        """The step's curve ``name``, made by ``make`` the first time it is asked for."""
+        if name not in self._curves:
+            self._curves[name] = make()
+        return self._curves[name]
+
     @property
     def curve(self) -> VerifyCost:
         """The target's curve at the step's context, as measured."""
-        if "curve" not in self._curves:
-            self._curves["curve"] = self.measured_target.at(self.located[0])
-        return self._curves["curve"]  # type: ignore[return-value]
+        curve = self._located("curve", lambda: self.measured_target.at(self.located[0]))
+        assert curve is not None
+        return curve
 
     @property
     def priced(self) -> VerifyCost:
         """``curve`` as the target's passes cost in decoding (drafted passes against single
         tokens, see ``locate``)."""
-        if "priced" not in self._curves:
-            self._curves["priced"] = self.curve.drafted(self.located[2])
-        return self._curves["priced"]  # type: ignore[return-value]
+        curve = self._located("priced", lambda: self.curve.drafted(self.located[2]))
+        assert curve is not None
+        return curve
 
     @property
     def target(self) -> VerifyCost:
         """``priced`` after the last batch's shape: what the step's batch of n tokens costs."""
-        if "target" not in self._curves:
-            self._curves["target"] = self.priced.after(self.located[1])
-        return self._curves["target"]  # type: ignore[return-value]
+        curve = self._located("target", lambda: self.priced.after(self.located[1]))
+        assert curve is not None
+        return curve
 
     @property
     def draft(self) -> VerifyCost | None:
         """The draft's curve at the step's context (None without a draft)."""
-        if "draft" not in self._curves:
-            self._curves["draft"] = (self.measured_draft.at(self.located[0])
-                                     if self.measured_draft is not None else None)
-        return self._curves["draft"]
+        measured = self.measured_draft
+        return self._located("draft", lambda: measured.at(self.located[0])
+                             if measured is not None else None)
 
     @property
     def overhead(self) -> float:
