@@ -360,7 +360,10 @@ class Planner:
         """The share of its time ``auto`` may lose to exploring: from ``EXPLORE_FLOOR`` where
         the fastest kind is the target alone (or no faster) to ``EXPLORE_SHARE`` where it
         leads by ``FULL_SHARE_LEAD`` (before anything is measured: the most)."""
-        best = self.fastest(list(StepKind))
+        return self._share(self.fastest(list(StepKind)))
+
+    def _share(self, best: StepKind | None) -> float:
+        """``explore_share`` where ``best`` is the fastest of all kinds."""
         lead = self.speed(best) - 1.0 if best is not None else FULL_SHARE_LEAD
         return EXPLORE_FLOOR + (EXPLORE_SHARE - EXPLORE_FLOOR) * min(
             max(lead, 0.0) / FULL_SHARE_LEAD, 1.0)
@@ -565,7 +568,7 @@ class Planner:
         if exploring:  # what it lost (or won)
             self.regret += seconds - tokens * self.best_now(best, alternatives)
         self.elapsed += seconds
-        self.earned += self.explore_share() * seconds
+        self.earned += self._share(best) * seconds
         ran = max(seconds - switch, 1e-9)
         idle = self.idle[kind]
         self.rates[kind].age(idle)
@@ -636,9 +639,11 @@ class AutoPolicy:
         kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
                                                                        StepKind.ROOT]
         risks = {}
-        if res.draft is not None and planner.sizer.draft is not None:
+        if res.draft is not None:
             behind = res.draft.behind(step.committed)
-            risks[StepKind.DRAFT] = planner.sizer.draft.curve(behind) if behind > 1 else 0.0
+            # (the draft's curve at this context made only where there is catching up)
+            draft_cost = planner.sizer.draft if behind > 1 else None
+            risks[StepKind.DRAFT] = draft_cost.curve(behind) if draft_cost is not None else 0.0
         planner.observe_catch_up(risks)
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
@@ -773,8 +778,9 @@ class AutoPolicy:
                 while n < min(len(kept), len(guess)) and kept[n] == guess[n]:
                     n += 1
                 planner.observe_ngram(len(guess), n)
-        counters, draft = plan.counters, planner.sizer.draft
-        switch = draft.curve(counters.caught_up) if draft and counters.caught_up > 1 else 0.0
+        counters = plan.counters
+        draft = planner.sizer.draft if counters.caught_up > 1 else None
+        switch = draft.curve(counters.caught_up) if draft is not None else 0.0
         # sampled, what the step yields on average given its tree: the tokens it drew vary
         # from one to several with the rule's own draws, far more than the kinds differ
         tokens = (outcome.emitted if planner.greedy or outcome.expected is None
@@ -797,9 +803,9 @@ class AutoPolicy:
         step, this step's time outside planning and its pass, its planning, and the
         estimated pass. The tokens are known exactly where verification is deterministic:
         greedy, or the target alone."""
-        curve = self.planner.sizer.target.curve
         if outcome.batch < 1 or not plan.alternatives:
             return []
+        curve = self.planner.sizer.target.curve
         written = (*outcome.accepted, outcome.next_token)
         hits = self.planner.ngram_hits.value
         rest = max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0)

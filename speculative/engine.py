@@ -307,7 +307,7 @@ class Engine:
             # at this context, priced after a batch shaped like the last one: leaving the
             # target alone for a tree, and coming back, each build a graph
             res.sizer.locate(len(committed), res.target.last_batch,
-                             self.passes.drafted_factor())
+                             self.passes.drafted_factor)
         step = StepInput(committed, config, self._fit(config, committed), params, rng, penalties,
                          t0)
         try:

@@ -44,19 +44,23 @@ class Sizer:
     # over its parent's)
     confidence: Running = dataclasses.field(default_factory=lambda: Running(prior=0.6))
     # where the coming step is priced (``locate``): its context, the last batch's size and
-    # the drafted passes' factor; the step's curves are worked out from them when first asked
-    # for (a step of the target alone asks for none of the draft's)
-    located: tuple[int, int | None, float] = dataclasses.field(init=False)
+    # the drafted passes' factor (or what gives it); the step's curves are worked out from
+    # them when first asked for (a step of the target alone asks for none of the draft's,
+    # nor for the factor)
+    located: tuple[int, int | None, float | Callable[[], float]] = dataclasses.field(
+        init=False)
     _curves: dict[str, VerifyCost | None] = dataclasses.field(init=False)
 
     def __post_init__(self) -> None:
         self.locate(0, None)
 
-    def locate(self, context: int, last: int | None, drafted: float = 1.0) -> None:
+    def locate(self, context: int, last: int | None,
+               drafted: float | Callable[[], float] = 1.0) -> None:
         """Price the coming step: after ``context`` tokens of context and, for the target, a
         batch of ``last`` tokens (None: shapes unpriced), its drafted passes ``drafted``
         times as dear against a single token as the measured curve says (what they have
-        recently cost in decoding: ``VerifyCost.drafted``)."""
+        recently cost in decoding: ``VerifyCost.drafted``; a function giving the factor is
+        called when the step first prices a drafted pass)."""
         self.located = (context, last, drafted)
         self._curves = {}
 
@@ -77,7 +81,9 @@ class Sizer:
     def priced(self) -> VerifyCost:
         """``curve`` as the target's passes cost in decoding (drafted passes against single
         tokens, see ``locate``)."""
-        curve = self._located("priced", lambda: self.curve.drafted(self.located[2]))
+        drafted = self.located[2]
+        curve = self._located("priced", lambda: self.curve.drafted(
+            drafted() if callable(drafted) else drafted))
         assert curve is not None
         return curve
 

@@ -151,6 +151,30 @@ def test_drafted_passes_priced_as_decoding_found_them_size_the_trees() -> None:
     assert best_size([0.95], sizer.priced, 0.0, 1.0) == 0 < best_size([0.95], curve, 0.0, 1.0)
 
 
+def test_a_step_asks_for_the_drafted_passes_factor_only_when_it_prices_a_drafted_pass(
+        ) -> None:
+    """The factor is a median over recent passes: a step of the target alone (what ``auto``
+    runs most on a steep curve) reads the target's curve at its context and never asks for
+    it; a step that prices a tree asks once."""
+    curve = VerifyCost((1, 2, 4, 8), (1.0, 1.9, 3.0, 5.0), per_context=(0.01, 0.0),
+                       context=10)
+    sizer = Sizer(curve, curve)
+    asked = []
+
+    def factor() -> float:
+        asked.append(1)
+        return 0.75
+
+    sizer.locate(110, 1, factor)
+    assert sizer.curve.curve(1) == pytest.approx(2.0) and sizer.draft is not None
+    assert asked == []
+    assert sizer.target.curve(2) == pytest.approx(0.75 * 2.9)
+    assert sizer.priced.curve(4) == pytest.approx(0.75 * 4.0)
+    assert asked == [1]
+    sizer.locate(120, 2, factor)  # the next step asks again
+    assert sizer.priced.curve(2) == pytest.approx(0.75 * 3.0) and asked == [1, 1]
+
+
 def test_time_spent_drafting_does_not_lower_the_bar_for_a_node() -> None:
     """After a slow drafting, the step's own rate is low, and a node that adds 0.7 tokens for
     0.8 of a pass would raise it; but the target alone does better per second: the node is
