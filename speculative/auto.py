@@ -9,8 +9,9 @@ in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored 
 measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays (at least the
 best node once the draft model has been paid for). An n-gram step verifies at least its best
 node, as ``ngram`` does: on a steep cost curve the model may price a lone node as not paying
-where ``ngram``'s steps, which verify it anyway, run faster (README), and whether it pays is
-measured instead: the target alone is a kind of its own, timed in every drafted step's place.
+where ``ngram``'s steps, which verify it anyway, run faster (docs/results-log.md), and whether
+it pays is measured instead: the target alone is a kind of its own, timed in every drafted
+step's place.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the

@@ -594,10 +594,10 @@ class PassLoads:
     batches back to back; in decoding the draft model runs between the target's drafted
     passes, while plain decoding's follow one another, and on some hosts the drafted ones then
     take longer than the curve's shape says, so a meter reading plain decoding's time off
-    them through the curve alone reads high by as much (README: the F16 pair). Shared by the
-    engines of a model pair (the app's races and ``auto``'s target-alone steps time single
-    tokens, the bench's plain runs too); passes older than ``PASS_HORIZON`` seconds do not
-    count."""
+    them through the curve alone reads high by as much (docs/results-log.md: the F16 pair).
+    Shared by the engines of a model pair (the app's races and ``auto``'s target-alone steps
+    time single tokens, the bench's plain runs too); passes older than ``PASS_HORIZON``
+    seconds do not count."""
 
     def __init__(self) -> None:
         self.single: collections.deque[tuple[float, float]] = collections.deque(

@@ -32,8 +32,8 @@ What is measured, and how it stays fair:
   prompts, in the same rotation, with the same repetition control (``native.sampler_args``),
   so its speedup is over the same ``plain`` repeats as ours. Not when sampling: there it
   proposes the draft's most likely token and accepts it with probability min(1, p/q) as if it
-  had been drawn from q, so its output does not follow the target's distribution (the README
-  measures it), and its speed is not a lossless peer's.
+  had been drawn from q, so its output does not follow the target's distribution
+  (docs/results-log.md measures it), and its speed is not a lossless peer's.
 """
 
 from __future__ import annotations

@@ -54,7 +54,8 @@ def app_threads(cores: int | None = None) -> tuple[int, ...]:
 
 
 # what a pass on every core loses to the window drawing a streaming reply, about: the time a
-# pass took in the window beyond the command line's in ``--throughput-check`` runs (README)
+# pass took in the window beyond the command line's in ``--throughput-check`` runs
+# (docs/results-log.md)
 WINDOW_STALL = 0.005
 
 
