@@ -392,7 +392,13 @@ class Planner:
         ``catch_up``) costs its seconds at once, the speed difference gains only over the
         steps the new kind then runs (``HOLD_STEPS`` at least, before anything is explored
         again). Two kinds about as fast would otherwise alternate with the noise of their
-        measured speeds, and the draft would catch up at every switch."""
+        measured speeds, and the draft would catch up at every switch. A drafted kind must
+        lead surely (by ``SWITCH_DOUBTS`` standard errors beyond the margin): it was measured
+        over a few explorations. The target alone needs only the margin (its lead weighed as
+        ``lead`` weighs any): it is timed in the place of every step the running kind takes,
+        so its lead is measured on all of them, and a switch to it costs nothing; held to
+        the doubt of steps that emit 1 token or 5, a drafted kind slower than the target alone
+        by a fifth kept running for hundreds of steps."""
         measured = [k for k in kinds if self.rates[k].measured]
         if not measured:
             return None
@@ -401,7 +407,8 @@ class Planner:
         if held is None or held is top or held not in measured:
             return top
         lead, doubt = self.lead(top, held)
-        if lead <= math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt:
+        doubts = 0.0 if top is StepKind.ROOT else SWITCH_DOUBTS
+        if lead <= math.log1p(SWITCH_MARGIN) + doubts * doubt:
             return held
         gain = (1.0 - math.exp(-lead)) * HOLD_STEPS * self.plain_seconds()
         return top if gain > self.catch_up.get(top, 0.0) else held

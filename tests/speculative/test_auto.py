@@ -1016,6 +1016,31 @@ def test_a_short_exploration_that_read_far_ahead_by_chance_does_not_take_over() 
     assert planner.speed(StepKind.GUESSES) < planner.speed(StepKind.DRAFT) * (1 + SWITCH_MARGIN)
 
 
+def test_the_target_alone_takes_over_from_a_slower_kind_once_it_leads_by_the_margin() -> None:
+    """The n-gram's kind has been running at 1.5 times the target alone; then the text
+    changes and its steps emit 3 tokens or 1 in 2.5 and 2.05 seconds where the target alone
+    makes a token a second: 0.88 times its speed, measured in every step's place. Steps this
+    scattered leave the lead within a standard error of the margin (a drafted kind, measured
+    so, would not take over), but the target alone needs no catching up and is measured on
+    every step: it takes over within the steps the n-gram's measurement needs to follow the
+    text, and ``auto`` does not run a kind slower than plain decoding for hundreds of steps."""
+    planner = _planner()
+    _beside_root(planner, StepKind.GUESSES, [(4, 2.0), (2, 2.0)] * 15)
+    assert planner.held is StepKind.GUESSES
+    taken = 0
+    while planner.held is StepKind.GUESSES and taken < 200:
+        _beside_root(planner, StepKind.GUESSES, [(3, 2.5), (1, 2.05)][taken % 2:][:1])
+        taken += 1
+    assert planner.held is StepKind.ROOT and taken < 2 * EXPLORE_EVERY
+    lead, doubt = planner.lead(StepKind.ROOT, StepKind.GUESSES)
+    assert math.log1p(SWITCH_MARGIN) < lead < math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
+    for _ in range(40):  # and it would not be sure on these steps however many ran
+        _beside_root(planner, StepKind.GUESSES, [(3, 2.5), (1, 2.05)])
+    assert planner.relative(StepKind.ROOT, StepKind.GUESSES) == pytest.approx(1 / 0.88, rel=0.02)
+    lead, doubt = planner.lead(StepKind.ROOT, StepKind.GUESSES)
+    assert lead < math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
+
+
 def test_a_kind_measured_ahead_of_the_running_one_runs_until_its_lead_is_sure() -> None:
     """The n-gram's kind has been running at 1.2 times the target alone; the draft's, explored,
     reads 1.6 times over four scattered steps: not sure enough to take over, but explored
