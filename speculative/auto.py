@@ -28,7 +28,9 @@ since. The draft's catching up on text it skipped while other kinds ran is left 
 draft's measured speed (a cost of switching, not of the kind: a kind explored one step at a
 time would pay it at every step) and priced where switching is decided: the kind that has been
 running stays the fastest against one that must catch up until the measured difference, over
-the steps the new kind would run, repays the catching up, and against any kind until it leads
+the steps the new kind would run, repays the catching up (and the draft's kind, left, against
+any other until it repays the catching up that coming back will take), and against any kind
+until it leads
 by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other as its
 alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the steps'
 own spread: two kinds about as fast would otherwise alternate with the noise of their
@@ -58,7 +60,13 @@ exploring at the full share kept ``auto`` a few percent below plain decoding). T
 counted against the fastest kind, not against the target alone: counted against the target
 alone, what the fastest kind gains over it would pay for explorations until ``auto`` had lost
 its whole lead over plain decoding to them. The first measurements, before any kind is
-measured, are not regret.
+measured, are not regret. Beyond the budget, a kind whose wait is over is explored where that
+is worth what it may cost (``Planner.worth_exploring``): the chance that it now leads, from
+its measurement aged by the steps it sat out, times what it would gain over the steps it
+would then run, against its catching up and the exploration's expected loss. The budget is a
+cap on losses and knows nothing of gains: where the draft's catching up on the steps it sat
+out grows faster than the budget is earned, one poor early measurement kept it from running
+again at all.
 
 Which kind is fastest is judged on the same text where possible: a step's plan names what the
 other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
@@ -93,8 +101,15 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .costmodel import Running, recalled_sums, shrink
-from .drafting import DraftTree, ModelDrafter, NgramDrafter, TreeBudget, grow_tree
+from .costmodel import Running, VerifyCost, recalled_sums, shrink
+from .drafting import (
+    DraftCounters,
+    DraftTree,
+    ModelDrafter,
+    NgramDrafter,
+    TreeBudget,
+    grow_tree,
+)
 from .plan import Alternative, Path, Scorer, StepKind, StepPlan
 from .policies import (
     Outcome,
@@ -117,10 +132,13 @@ START_STEPS = 4        # plain steps' time a fresh planner may lose to exploring
 MIN_STEPS = 3.0  # decayed steps of a kind before its measured rate counts
 HOLD_STEPS = EXPLORE_EVERY  # steps a newly fastest kind is expected to run, at the least
 TRIAL_STEPS = 3  # steps in a row an exploration runs (the budget allowing)
+EXPECTED_RUN = 4 * EXPLORE_EVERY  # steps a kind that takes over is expected to run (it
+                                  # runs until another is surely faster)
 SWITCH_MARGIN = 0.03  # how much faster than the running kind another must be to take over
 SWITCH_DOUBTS = 1.0   # ... beyond this many standard errors of the measured difference
 LEAD_SPREAD = 0.2  # how far apart (in log speed) kinds usually are: what a measured lead is
                    # weighed against (``Planner.lead``)
+PAIR_DECAY = 0.95  # a paired timing's weight after each later step (``Paired``)
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
@@ -177,7 +195,7 @@ class Paired:
     steps: float = 0.0
     logs: float = 0.0     # sum of the steps' log(rate / alt rate)
     squares: float = 0.0  # ... and of its squares
-    decay: float = 0.95
+    decay: float = PAIR_DECAY
 
     def add(self, tokens: float, seconds: float, alt_tokens: float, alt_seconds: float,
             ) -> None:
@@ -312,6 +330,8 @@ class Planner:
     trial_left: int = 0
     # seconds a kind must spend catching up before its next step (``observe_catch_up``)
     catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
+    # the draft's measured catching up, seconds per token skipped (``observe_caught_up``)
+    caught_up: Running = dataclasses.field(default_factory=lambda: Running(decay=0.9))
     # what was measured under the sampling not running now (or recalled, not yet running), by
     # ``_sampling`` name: picked up again when a reply of that sampling begins (``new_text``),
     # each measurement weighing that many steps at most (put aside in this run: all it had)
@@ -398,7 +418,11 @@ class Planner:
         ``lead`` weighs any): it is timed in the place of every step the running kind takes,
         so its lead is measured on all of them, and a switch to it costs nothing; held to
         the doubt of steps that emit 1 token or 5, a drafted kind slower than the target alone
-        by a fifth kept running for hundreds of steps."""
+        by a fifth kept running for hundreds of steps. Leaving the draft's kind has a cost
+        of its own, paid later (``returning``): coming back, the draft catches up on every
+        step it sat out, and a switch that gains less than that over the steps it runs is
+        not taken (kinds about as fast would otherwise trade places with the text's easy and
+        hard stretches, and the draft catch up at every return)."""
         measured = [k for k in kinds if self.rates[k].measured]
         if not measured:
             return None
@@ -411,16 +435,36 @@ class Planner:
         if lead <= math.log1p(SWITCH_MARGIN) + doubts * doubt:
             return held
         gain = (1.0 - math.exp(-lead)) * HOLD_STEPS * self.plain_seconds()
-        return top if gain > self.catch_up.get(top, 0.0) else held
+        cost = self.catch_up.get(top, 0.0) + self.returning(held)
+        return top if gain > cost else held
 
-    def lead(self, a: StepKind, b: StepKind) -> tuple[float, float]:
+    def returning(self, kind: StepKind) -> float:
+        """Seconds that coming back to ``kind`` after ``HOLD_STEPS`` steps of another costs
+        before its first step: the draft's catching up on them, for the draft's kind (the
+        n-gram model reads the text for next to nothing, the target alone nothing)."""
+        return self.catching_up(HOLD_STEPS) if kind is StepKind.DRAFT else 0.0
+
+    def catching_up(self, tokens: int) -> float:
+        """Seconds the draft will take to catch up on ``tokens`` it skipped: as measured on
+        its returns so far (``observe_caught_up``), or before any, on its cost curve (which
+        prices a batch that wide by extending the slope of the sizes it was timed at, and
+        can put it at twice what it takes)."""
+        if self.caught_up.weight > 0:
+            return self.caught_up.value * tokens
+        draft = self.sizer.draft
+        return draft.curve(tokens) if draft is not None else 0.0
+
+    def lead(self, a: StepKind, b: StepKind, sat_out: int = 0) -> tuple[float, float]:
         """How far ``a`` leads ``b`` (log of ``relative``) as far as the steps can tell, and
         the standard error of that: the measured lead weighed against how far apart kinds
         usually are (``LEAD_SPREAD``), as a normal prior on it centred on no lead. A lead
         measured over a few scattered steps (an exploration whose first step emitted 7
         tokens, the next 1) is mostly chance and counts for little; one measured over many
-        steady ones counts nearly in full."""
-        measured, doubt = math.log(self.relative(a, b)), self.doubt(a, b)
+        steady ones counts nearly in full. ``sat_out``: steps since ``a`` last ran, by which
+        its measurement has aged (the text has moved on: a pair's evidence decays by
+        ``PAIR_DECAY`` a step, and its doubt grows as the evidence left shrinks)."""
+        measured = math.log(max(self.relative(a, b), 1e-9))
+        doubt = self.doubt(a, b) / math.sqrt(max(PAIR_DECAY ** sat_out, 1e-12))
         trust = LEAD_SPREAD ** 2 / (LEAD_SPREAD ** 2 + doubt ** 2)
         return trust * measured, doubt * math.sqrt(trust)
 
@@ -469,7 +513,7 @@ class Planner:
         best = self.fastest(kinds)
         trial = self.trial
         if (self.trial_left > 0 and trial in kinds and trial is not best
-                and self.within_budget()):
+                and (self.within_budget() or self.worth_exploring(trial, best, 0.0))):
             return trial  # an exploration under way (its catching up paid)
         # a kind not yet measured first, then one due to be explored (below)
         for kind in sorted(kinds, key=lambda k: self.rates[k].measured):
@@ -483,9 +527,38 @@ class Planner:
             due = not self.rates[kind].measured or (kind is not StepKind.ROOT and (
                 self.idle[kind] + 1 >= self.every[kind] or self.ahead(kind, best)))
             risk = (risks or {}).get(kind, 0.0)
-            if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)):
+            if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)
+                        or self.worth_exploring(kind, best, risk)):
                 return kind
         return best if best is not None else kinds[-1]
+
+    def worth_exploring(self, kind: StepKind, best: StepKind, risk: float) -> bool:
+        """Whether exploring ``kind`` now is worth more than it may cost, whatever the budget:
+        the chance that it leads ``best`` by more than ``SWITCH_MARGIN``, times what it would
+        then gain over the ``EXPECTED_RUN`` steps a kind that takes over runs, against
+        ``risk`` (catching up) and what the exploration's steps lose if it is as far behind
+        as measured. Its lead is read as ``lead`` reads any, aged by the steps it sat out
+        (a poor measurement of long ago says little of the text now). The budget alone
+        starves a kind whose catching up grows, step by step, faster than the budget is
+        earned (the draft reading every token it skipped, on a host where a draft batch's
+        tokens cost a few percent of a target pass each): one poor measurement at a fresh
+        start, on text the draft did not yet know, kept the draft's kind from running again
+        for hundreds of steps where it was the fastest. A kind that surely lost its
+        explorations waits longer between them (``every``), so this asks again only as
+        often."""
+        need = math.log1p(SWITCH_MARGIN)
+        lead, doubt = self.lead(kind, best, self.idle[kind])
+        if doubt <= 0.0:
+            ahead, expected = float(lead > need), lead
+        else:  # the normal's tail beyond the margin: its mass and its mean
+            a = (need - lead) / doubt
+            ahead = 0.5 * math.erfc(a / math.sqrt(2.0))
+            density = math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
+            expected = lead + doubt * density / max(ahead, 1e-12)
+        plain = self.plain_seconds() / max(self.speed(best), 1.0)
+        value = ahead * (1.0 - math.exp(-expected)) * EXPECTED_RUN * plain
+        loss = TRIAL_STEPS * max(1.0 - math.exp(lead), 0.0) * plain
+        return value > risk + loss
 
     def ngram_scores(self, leaf_score: float, n: int) -> list[float]:
         """Scores to give ``n`` chained n-gram guesses below a leaf (their expected
@@ -620,6 +693,12 @@ class Planner:
         up on the text it skipped), as the text stands now."""
         self.catch_up = dict(seconds)
 
+    def observe_caught_up(self, tokens: int, seconds: float) -> None:
+        """The draft caught up on ``tokens`` it had skipped, in ``seconds`` (measured:
+        ``catching_up`` below)."""
+        if tokens > 0:
+            self.caught_up.add(seconds / tokens, tokens)
+
     def observe_ngram(self, offered: int, accepted: int) -> None:
         """A chain of ``offered`` n-gram guesses of which the first ``accepted`` were kept."""
         for i in range(offered):
@@ -650,8 +729,7 @@ class AutoPolicy:
         if res.draft is not None:
             behind = res.draft.behind(step.committed)
             # (the draft's curve at this context made only where there is catching up)
-            draft_cost = planner.sizer.draft if behind > 1 else None
-            risks[StepKind.DRAFT] = draft_cost.curve(behind) if draft_cost is not None else 0.0
+            risks[StepKind.DRAFT] = planner.catching_up(behind) if behind > 1 else 0.0
         planner.observe_catch_up(risks)
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
@@ -787,8 +865,10 @@ class AutoPolicy:
                     n += 1
                 planner.observe_ngram(len(guess), n)
         counters = plan.counters
-        draft = planner.sizer.draft if counters.caught_up > 1 else None
-        switch = draft.curve(counters.caught_up) if draft is not None else 0.0
+        switch = 0.0
+        if counters.caught_up > 1:
+            switch = catching_up(counters, planner.sizer.draft)
+            planner.observe_caught_up(counters.caught_up, switch)
         # sampled, what the step yields on average given its tree: the tokens it drew vary
         # from one to several with the rule's own draws, far more than the kinds differ
         tokens = (outcome.emitted if planner.greedy or outcome.expected is None
@@ -831,6 +911,19 @@ class AutoPolicy:
                     outcome.t_verify * curve(batch) / curve(outcome.batch))
             out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits), seconds))
         return out
+
+
+def catching_up(counters: DraftCounters, draft: VerifyCost | None) -> float:
+    """Seconds a draft step spent catching up on the text it skipped: its first decodes'
+    measured time beyond what their batch would have cost without the skipped tokens (on
+    the draft's curve). Measured, not read off the curve for the skipped tokens: the
+    catching up shares its last batch with the step's first node, and the curve, priced
+    for a batch as wide as the text skipped (far beyond the sizes it was timed at), put it
+    above the whole step's time, and the draft's kind read several times as fast as it ran
+    in the step after each return."""
+    if draft is None:
+        return 0.0
+    return max(counters.t_begin - draft.curve(counters.begin_tokens), 0.0)
 
 
 def guess_nodes(tree: TokenTree, chain: tuple[Path, Path] | None) -> frozenset[int]:

@@ -58,6 +58,8 @@ class DraftCounters:
     t_draft: float = 0.0       # seconds in draft decodes and tree growth
     t_stage2: float = 0.0      # seconds in the n-gram model
     caught_up: int = 0         # committed tokens the draft decoded first (it had not run)
+    t_begin: float = 0.0       # seconds of the step's first draft decodes (catching up in them)
+    begin_tokens: int = 0      # tokens its first batch holds besides the catching up
 
 
 @dataclasses.dataclass(frozen=True, slots=True)
@@ -160,7 +162,9 @@ class ModelDrafter:
         self.counters.calls += 1
         self._cache[()] = (slots[len(pending) - 1], out[0])
         self._remember_guess((), guess, slots[len(pending):], out[1:])
-        self.counters.t_draft += time.perf_counter() - t0 - self._t_guess
+        elapsed = time.perf_counter() - t0 - self._t_guess
+        self.counters.t_draft += elapsed
+        self.counters.t_begin, self.counters.begin_tokens = elapsed, 1 + len(guess)
         return out[0]
 
     def logits(self, paths: Sequence[Path]) -> list[np.ndarray]:

@@ -15,12 +15,14 @@ from speculative.auto import (
     EXPLORE_FLOOR,
     EXPLORE_SHARE,
     FULL_SHARE_LEAD,
+    HOLD_STEPS,
     RECALL_STEPS,
     START_STEPS,
     SWITCH_DOUBTS,
     SWITCH_MARGIN,
     TRIAL_STEPS,
     Planner,
+    catching_up,
 )
 from speculative.costmodel import Calibration, VerifyCost
 from speculative.drafting import (
@@ -629,9 +631,9 @@ def test_a_kind_that_must_catch_up_takes_over_only_where_the_switch_pays() -> No
         planner.regret = 1e9  # no budget: no exploration, only the fastest runs
         return planner
 
-    def choose(planner: Planner, catch_up: float) -> StepKind:
+    def choose(planner: Planner, catch_up: float) -> StepKind | None:
         planner.observe_catch_up({StepKind.DRAFT: catch_up})
-        return planner.choose(KINDS, {StepKind.DRAFT: catch_up})
+        return planner.fastest(KINDS)  # (whether to explore it is ``worth_exploring``'s)
 
     assert 0.5 / 0.49 < 1 + SWITCH_MARGIN < 0.5 / 0.475
     assert choose(planted(0.49), 0.0) is StepKind.GUESSES
@@ -646,6 +648,69 @@ def test_a_kind_that_must_catch_up_takes_over_only_where_the_switch_pays() -> No
         planner.observe_step(StepKind.DRAFT, 2, 0.475)  # now twice as fast
     planner.held = StepKind.GUESSES
     assert choose(planner, 2.0) is StepKind.DRAFT
+
+
+def _stale_draft(draft: tuple[float, float], catch_up: float, steps: int = 3000
+                 ) -> tuple[list[int], Planner]:
+    """A planner whose draft's kind was measured over four scattered steps at 0.75 times the
+    target alone (a fresh start on text the draft did not know yet), the target alone
+    running since, no budget left; then ``steps`` steps as ``choose`` takes them, a draft
+    step emitting ``draft`` (tokens, seconds) beside a target alone at 1 token a second, and
+    catching up ``catch_up`` seconds for each step the draft sat out. Returns the steps
+    at which the draft ran, and the planner."""
+    planner = _planner()
+    _beside_root(planner, StepKind.DRAFT, [(1, 1.6), (2, 2.4), (1, 1.2), (1, 1.5)])
+    planner.held = StepKind.ROOT
+    ran = []
+    for i in range(steps):
+        planner.regret = 1e9  # no budget left
+        behind = catch_up * planner.idle[StepKind.DRAFT]
+        planner.observe_catch_up({StepKind.DRAFT: behind})
+        kind = planner.choose([StepKind.DRAFT, StepKind.ROOT], {StepKind.DRAFT: behind})
+        if kind is StepKind.DRAFT:
+            ran.append(i)
+            tokens, seconds = draft
+            planner.observe_step(kind, tokens, seconds + behind, behind,
+                                 alternatives=[(StepKind.ROOT, 1, 1.0)])
+        else:
+            planner.observe_step(kind, 1, 1.0)
+    return ran, planner
+
+
+@pytest.mark.parametrize("catch_up", [0.01, 0.05])
+def test_a_kind_starved_by_the_budget_is_explored_again_once_its_measurement_has_aged(
+        catch_up: float) -> None:
+    """The budget alone never again pays for the draft's kind here: what its catching up
+    costs grows with every step it sits out, faster than the budget is earned. Its poor
+    measurement ages with the text (its doubt grows), and once it may well lead, exploring
+    it is worth its catching up: measured 1.2 times the target alone, it takes over; as
+    slow as it was measured, it is explored once, for a step, and costs a fraction of a
+    percent of the time."""
+    ran, planner = _stale_draft((6, 5.0), catch_up)
+    assert 0 < ran[0] < 4 * EXPLORE_EVERY
+    assert planner.held is StepKind.DRAFT and len(ran) > 2900
+    ran, planner = _stale_draft((7, 10.0), catch_up)
+    lost = sum(3.0 + catch_up * i for i in ran)  # 7 tokens in 10 s where 7 took 7 s
+    assert 0 < len(ran) <= 3 and planner.held is StepKind.ROOT
+    assert lost < 0.005 * 3000
+    planner = _stale_draft((7, 10.0), catch_up, steps=0)[1]
+    planner.regret = 1e9  # nor is it explored while its measurement is fresh
+    assert planner.choose([StepKind.DRAFT, StepKind.ROOT]) is StepKind.ROOT
+
+
+def test_a_kind_measured_slower_over_many_steps_is_not_explored_beyond_the_budget() -> None:
+    """The draft's kind measured at 0.7 times the target alone over many steady steps, and
+    catching up costing a twentieth of a target pass for each step it sat out: its doubt
+    stays small as it ages, and nothing is worth exploring beyond the budget."""
+    planner = _planner()
+    _beside_root(planner, StepKind.DRAFT, [(7, 10.0), (5, 7.0)] * 40)
+    planner.held = StepKind.ROOT
+    for _ in range(2000):
+        planner.regret = 1e9
+        behind = 0.05 * planner.idle[StepKind.DRAFT]
+        assert planner.choose([StepKind.DRAFT, StepKind.ROOT],
+                              {StepKind.DRAFT: behind}) is StepKind.ROOT
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
 
 
 def test_the_draft_reads_the_prompt_with_the_target_when_its_steps_come_next() -> None:
@@ -678,6 +743,28 @@ def test_the_draft_catching_up_is_not_counted_against_drafting() -> None:
     assert planner.rates[StepKind.DRAFT].value == pytest.approx(8.0)  # 4 tokens in 0.5 s
     assert planner.elapsed == 1.0  # the whole step counts for the budget
     assert planner.pairs[(StepKind.DRAFT, StepKind.ROOT)].seconds == pytest.approx(0.5)
+
+
+def test_the_drafts_catching_up_is_what_its_first_decodes_took_beyond_a_caught_up_batch(
+        ) -> None:
+    """The draft skipped 40 tokens; its first decodes of the step (the 40, the root and a
+    guess, in one batch) took 60 ms, where the root and the guess alone cost 20 ms on its
+    curve: catching up took 40 ms. Read off the curve for 40 tokens (far beyond the sizes it
+    was timed at, its slope extended) it would be 180 ms, more than the step's whole
+    drafting, and the kind's own time would come out negative. Later catching up is priced
+    at the measured 1 ms a token, not by the curve."""
+    draft = VerifyCost((1, 2, 4, 8), (0.01, 0.02, 0.036, 0.052))
+    counters = DraftCounters(calls=2, t_draft=0.08, caught_up=40, t_begin=0.06,
+                             begin_tokens=2)
+    assert draft.curve(40) > counters.t_draft
+    assert catching_up(counters, draft) == pytest.approx(0.04)
+    assert catching_up(dataclasses.replace(counters, t_begin=0.015), draft) == 0.0
+    planner = Planner(Sizer(VerifyCost((1, 2, 4), (1.0, 1.1, 1.2)), draft))
+    assert planner.catching_up(24) == pytest.approx(draft.curve(24))  # nothing measured yet
+    planner.observe_caught_up(40, catching_up(counters, draft))
+    assert planner.catching_up(24) == pytest.approx(0.024)
+    assert planner.returning(StepKind.DRAFT) == pytest.approx(0.001 * HOLD_STEPS)
+    assert planner.returning(StepKind.GUESSES) == planner.returning(StepKind.ROOT) == 0.0
 
 
 def test_rates_measured_under_the_other_sampling_start_over() -> None:
@@ -1039,6 +1126,29 @@ def test_the_target_alone_takes_over_from_a_slower_kind_once_it_leads_by_the_mar
     assert planner.relative(StepKind.ROOT, StepKind.GUESSES) == pytest.approx(1 / 0.88, rel=0.02)
     lead, doubt = planner.lead(StepKind.ROOT, StepKind.GUESSES)
     assert lead < math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
+
+
+@pytest.mark.parametrize("draft_curve", [None, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8))])
+def test_leaving_the_drafts_kind_must_repay_catching_up_on_return(
+        draft_curve: VerifyCost | None) -> None:
+    """The target alone leads the draft's kind that has been running by 6%, steadily (sure,
+    beyond the margin). Over the steps it would run that gains about 1.4 target passes; if
+    coming back to the draft after them costs more (the draft reading 24 tokens at once
+    takes 2.8 passes here), the draft's kind keeps running; with nothing to catch up,
+    the target alone takes over."""
+    planner = Planner(Sizer(VerifyCost((1, 2, 4, 8, 16), (1.0, 1.1, 1.2, 1.4, 2.0)),
+                            draft_curve))
+    _beside_root(planner, StepKind.DRAFT, [(1, 1.06)] * 40)
+    planner.held = StepKind.DRAFT  # (what has been running)
+    lead, doubt = planner.lead(StepKind.ROOT, StepKind.DRAFT)
+    assert lead > math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
+    gain = (1 - math.exp(-lead)) * HOLD_STEPS
+    if draft_curve is None:
+        assert planner.returning(StepKind.DRAFT) == 0.0
+        assert planner.fastest(KINDS) is StepKind.ROOT
+    else:
+        assert planner.returning(StepKind.DRAFT) > gain
+        assert planner.fastest(KINDS) is StepKind.DRAFT
 
 
 def test_a_kind_measured_ahead_of_the_running_one_runs_until_its_lead_is_sure() -> None:
