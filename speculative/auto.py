@@ -30,17 +30,16 @@ time would pay it at every step) and priced where switching is decided: the kind
 running stays the fastest against one that must catch up until the measured difference, over
 the steps the new kind would run, repays the catching up (and the draft's kind, left, against
 any other until it repays the catching up that coming back will take), and against any kind
-until it leads
-by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with the other as its
-alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that comparison (the steps'
-own spread: two kinds about as fast would otherwise alternate with the noise of their
-measurements, pay the catching up at every switch, and a kind that won a short exploration by
-chance would run until the noise turned), the lead itself weighed against how far apart kinds
-usually are (``LEAD_SPREAD``: a lead measured over three scattered steps is mostly chance,
-however far it reads). A kind measured faster than the running one by more than the margin, but
-not surely, is explored again at once rather than after the wait (the budget allowing): its own
-steps are what can make the lead sure, and while it runs faster they refill the budget they
-draw on. It is counted in the regret below.
+until it leads by more than ``SWITCH_MARGIN``, compared on the same steps where one ran with
+the other as its alternative, and by more than ``SWITCH_DOUBTS`` standard errors of that
+comparison (the steps' own spread: two kinds about as fast would otherwise alternate with the
+noise of their measurements, pay the catching up at every switch, and a kind that won a short
+exploration by chance would run until the noise turned), the lead itself weighed against how
+far apart kinds usually are (``LEAD_SPREAD``: a lead measured over three scattered steps is
+mostly chance, however far it reads). A kind measured faster than the running one by more than
+the margin, but not surely, is explored again at once rather than after the wait (the budget
+allowing): its own steps are what can make the lead sure, and while it runs faster they refill
+the budget they draw on. It is counted in the regret below.
 
 Exploring is paid for from a budget, so that ``auto`` is never much slower than its best kind:
 the *regret*, the time explorations (steps of another kind than the fastest) took beyond what
@@ -555,7 +554,7 @@ class Planner:
             ahead = 0.5 * math.erfc(a / math.sqrt(2.0))
             density = math.exp(-0.5 * a * a) / math.sqrt(2.0 * math.pi)
             expected = lead + doubt * density / max(ahead, 1e-12)
-        plain = self.plain_seconds() / max(self.speed(best), 1.0)
+        plain = self.best_seconds(best)
         value = ahead * (1.0 - math.exp(-expected)) * EXPECTED_RUN * plain
         loss = TRIAL_STEPS * max(1.0 - math.exp(lead), 0.0) * plain
         return value > risk + loss
@@ -728,7 +727,7 @@ class AutoPolicy:
         risks = {}
         if res.draft is not None:
             behind = res.draft.behind(step.committed)
-            # (the draft's curve at this context made only where there is catching up)
+            # (priced only where there is catching up: a step's draft curve is made on use)
             risks[StepKind.DRAFT] = planner.catching_up(behind) if behind > 1 else 0.0
         planner.observe_catch_up(risks)
         kind = planner.choose(kinds, risks)
