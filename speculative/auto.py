@@ -74,10 +74,17 @@ verdict tells exactly how many tokens those would have emitted; their time is th
 outside planning, their planning, and this step's target pass scaled by the cost curve to
 their batch. Rates measured at different moments differ more with the text (a new prompt, a
 docstring against code) than the kinds differ from each other; paired on the same steps, the
-text's difficulty cancels (``Paired``). A sampled step counts the tokens its tree yields on
-average over the acceptance rule's draws (``Verdict.expected``), not the ones it drew: by
-the draws alone one step emits 1 token and the next 5, and kinds a few percent apart are
-told apart only after many steps.
+text's difficulty cancels (``Paired``). Greedy, a step of the target alone plans the n-gram's
+tree beside it too, and the text written after it decides what that tree would have emitted
+(``Guessed``; its planning may take ``ASIDE_SHARE`` of those steps' time, no more): once the
+target alone ran, the n-gram's kind was otherwise measured only by explorations, each a loss
+while the text was hard (on a steep curve a wrong guess verified costs much of a pass more),
+their waits doubling while they lost, and the target alone ran on for hundreds of steps where
+the n-gram's kind had become the faster. The wait before exploring a kind counts from when it
+was last timed against the fastest (``Planner.since``), not from when it last ran. A sampled
+step counts the tokens its tree yields on average over the acceptance rule's draws
+(``Verdict.expected``), not the ones it drew: by the draws alone one step emits 1 token and
+the next 5, and kinds a few percent apart are told apart only after many steps.
 
 What was measured carries over: from one sampling to the other and back (sampled trees accept
 far less than greedy ones, so each sampling has its own measurements), and, through
@@ -138,6 +145,7 @@ SWITCH_DOUBTS = 1.0   # ... beyond this many standard errors of the measured dif
 LEAD_SPREAD = 0.2  # how far apart (in log speed) kinds usually are: what a measured lead is
                    # weighed against (``Planner.lead``)
 PAIR_DECAY = 0.95  # a paired timing's weight after each later step (``Paired``)
+ASIDE_SHARE = 0.02  # time planning the n-gram's tree beside target-alone steps may take
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
 
 
@@ -318,6 +326,10 @@ class Planner:
     # (kind that ran, kind it was compared with on the same steps) -> their paired timings
     pairs: dict[tuple[StepKind, StepKind], Paired] = dataclasses.field(default_factory=dict)
     idle: dict[StepKind, int] = dataclasses.field(default_factory=lambda: _counts(0))
+    steps: int = 0  # steps observed (the one being observed included)
+    # the step at which each kind was last timed against the target alone (``with_root``):
+    # as it ran, beside a step of another kind, or beside a target-alone step
+    timed: dict[StepKind, int] = dataclasses.field(default_factory=lambda: _counts(0))
     every: dict[StepKind, int] = dataclasses.field(
         default_factory=lambda: _counts(EXPLORE_EVERY))
     greedy: bool | None = None  # the sampling the rates were measured under
@@ -524,7 +536,7 @@ class Planner:
             # holds on) is explored again at once: its steps are what can make the lead sure,
             # and while it runs faster than the fastest they refill the budget they draw on
             due = not self.rates[kind].measured or (kind is not StepKind.ROOT and (
-                self.idle[kind] + 1 >= self.every[kind] or self.ahead(kind, best)))
+                self.since(kind, best) + 1 >= self.every[kind] or self.ahead(kind, best)))
             risk = (risks or {}).get(kind, 0.0)
             if due and (best is None or kind is StepKind.ROOT or self.within_budget(risk)
                         or self.worth_exploring(kind, best, risk)):
@@ -546,7 +558,7 @@ class Planner:
         explorations waits longer between them (``every``), so this asks again only as
         often."""
         need = math.log1p(SWITCH_MARGIN)
-        lead, doubt = self.lead(kind, best, self.idle[kind])
+        lead, doubt = self.lead(kind, best, self.since(kind, best))
         if doubt <= 0.0:
             ahead, expected = float(lead > need), lead
         else:  # the normal's tail beyond the margin: its mass and its mean
@@ -575,7 +587,8 @@ class Planner:
             return
         if self.greedy is not None:
             self.stashed[_sampling(self.greedy)] = (self._measures(), math.inf)
-            self.rates, self.idle, self.every = _rates(), _counts(0), _counts(EXPLORE_EVERY)
+            self.rates, self.every = _rates(), _counts(EXPLORE_EVERY)
+            self.idle, self.timed = _counts(0), _counts(self.steps)
             self.pairs, self.held = {}, None
             self.trial, self.trial_left = None, 0
         self.greedy = greedy
@@ -633,7 +646,7 @@ class Planner:
         self.rates = {**_rates(), **rates}
         self.pairs = pairs
         self.every = {**_counts(EXPLORE_EVERY), **every}
-        self.idle = _counts(0)
+        self.idle, self.timed = _counts(0), _counts(self.steps)
         self.held = held
 
     def observe_step(self, kind: StepKind, tokens: float, seconds: float,
@@ -643,6 +656,7 @@ class Planner:
         emits on average given its tree, ``Outcome.expected``), ``switch`` of them
         spent catching up after other kinds ran (left out of the kind's rate);
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
+        self.steps += 1
         best = self.fastest(list(StepKind))
         exploring = best is not None and kind is not best
         if exploring:  # what it lost (or won)
@@ -656,19 +670,20 @@ class Planner:
         for alt, alt_tokens, alt_seconds in alternatives:
             # catching up left out here too: a kind explored one step at a time would pay it
             # at every step and never look as fast as it runs; switching is priced where it
-            # is decided (``fastest`` holds the running kind until a switch pays)
-            paired = self.pairs.setdefault((kind, alt), Paired())
-            if alt is StepKind.ROOT:
-                # the kind's speed now: it ages with the text, as its rate does; against
-                # another drafted kind, the pair is the evidence of which is faster, gathered
-                # one exploration at a time, and aged by the steps between them each
-                # exploration's few steps would decide alone (one step emits 1 token, the
-                # next 6: far too few to tell kinds a few percent apart)
-                paired.age(idle)
+            # is decided (``fastest`` holds the running kind until a switch pays). Against
+            # the target alone, the kind's speed now (``with_root``); against another drafted
+            # kind, the pair is the evidence of which is faster, gathered one exploration at
+            # a time, and not aged by the steps between them: each exploration's few steps
+            # would decide alone (one step emits 1 token, the next 6: far too few to tell
+            # kinds a few percent apart)
+            paired = (self.with_root(kind) if alt is StepKind.ROOT
+                      else self.pairs.setdefault((kind, alt), Paired()))
             paired.add(tokens, ran, alt_tokens, alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
-                self.pairs.setdefault((alt_a[0], alt_b[0]), Paired()).add(*alt_a[1:], *alt_b[1:])
+                paired = (self.with_root(alt_a[0]) if alt_b[0] is StepKind.ROOT
+                          else self.pairs.setdefault((alt_a[0], alt_b[0]), Paired()))
+                paired.add(*alt_a[1:], *alt_b[1:])
         for k in StepKind:
             self.idle[k] = 0 if k is kind else self.idle[k] + 1
         if not exploring:
@@ -686,6 +701,28 @@ class Planner:
                 lost = lead > math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
                 self.every[kind] = _backoff(self.every[kind], lost)
         self.held = self.fastest(list(StepKind))
+
+    def observe_aside(self, kind: StepKind, tokens: float, seconds: float, alone: float
+                      ) -> None:
+        """A step of ``kind`` that did not run would have emitted ``tokens`` in ``seconds``
+        where a step of the target alone, which ran, took ``alone`` for its token: evidence
+        of ``kind``'s speed now, as if ``kind`` had run with the target alone beside it."""
+        self.with_root(kind).add(tokens, seconds, 1.0, alone)
+
+    def with_root(self, kind: StepKind) -> Paired:
+        """``kind``'s timings against the target alone, to be added to at the step being
+        observed: aged by the steps since in which nothing was added (the text has moved on),
+        whichever kind ran then."""
+        paired = self.pairs.setdefault((kind, StepKind.ROOT), Paired())
+        paired.age(max(self.steps - self.timed[kind] - 1, 0))
+        self.timed[kind] = self.steps
+        return paired
+
+    def since(self, kind: StepKind, best: StepKind | None) -> int:
+        """Steps since ``kind`` was last compared with ``best``: against the target alone,
+        since it was last timed against it (``timed``: it ran, or was timed beside another
+        kind's step); against a drafted kind, since it last ran."""
+        return self.steps - self.timed[kind] if best is StepKind.ROOT else self.idle[kind]
 
     def observe_catch_up(self, seconds: Mapping[StepKind, float]) -> None:
         """What switching to each kind would cost before its next step (the draft's catching
@@ -712,6 +749,14 @@ class AutoPolicy:
 
     def __init__(self, res: Resources) -> None:
         self.res = res
+        # n-gram trees beside target-alone steps, followed until the text decides them
+        self.guessed: list[Guessed] = []
+        self.text_at: tuple[int, int] | None = None  # (length, last token) observed last
+        self.planned_at = 0  # the text's length at the last step planned
+        self.aside_wait = 0  # target-alone steps until the next plans the n-gram's tree
+        # loop time after the target's pass, by the kind of step: a tree's commit and
+        # bookkeeping take longer than a lone token's
+        self.after: dict[StepKind, Running] = {k: Running(prior=0.0) for k in StepKind}
 
     @property
     def planner(self) -> Planner:
@@ -720,6 +765,9 @@ class AutoPolicy:
 
     def plan(self, step: StepInput) -> StepPlan:
         res, planner, budget = self.res, self.planner, step.budget
+        if self.text_at != (len(step.committed), step.root):
+            self.guessed.clear()  # another text (a new reply, a step undone)
+        self.planned_at = len(step.committed)
         if budget is None:
             return StepPlan.alone(step.root)
         kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
@@ -732,7 +780,7 @@ class AutoPolicy:
         planner.observe_catch_up(risks)
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
-            return StepPlan.alone(step.root)
+            return self.alone(step)
         # an alternative's planning counts from the step's start: the step's own setup
         # before planning (its penalties, pricing, the choice of kind) is the alternative's
         # too, and is not in the time outside planning that ``counterfactuals`` adds
@@ -741,11 +789,7 @@ class AutoPolicy:
         res.feed_ngram(step.committed)
         ngram = res.ngram_drafter(step.params, budget)
         if kind is StepKind.GUESSES:
-            tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                             res.worth_growing(), step.penalties,
-                             res.floor(Scorer.NGRAM, step.params), at_least=1)
-            tree = res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params,
-                                  at_least=1)
+            tree = self.ngram_tree(ngram, step)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
                                       alternatives=(alone,))
         # the draft's tree; greedy, merged with the n-gram's (grown first: the draft's
@@ -772,6 +816,46 @@ class AutoPolicy:
         draft, chain = self.add_guesses(draft, step)
         plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
         return dataclasses.replace(plan, alternatives=(guesses, alone))
+
+    def ngram_tree(self, ngram: NgramDrafter, step: StepInput) -> DraftTree:
+        """The tree a step of the n-gram's kind verifies: grown as far as its nodes may pay,
+        cut to what pays, at least its best node."""
+        res, budget = self.res, step.budget
+        assert budget is not None
+        tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
+                         res.worth_growing(), step.penalties,
+                         res.floor(Scorer.NGRAM, step.params), at_least=1)
+        return res.right_size(tree, Scorer.NGRAM, drafting_time(ngram), step.params,
+                              at_least=1)
+
+    def alone(self, step: StepInput) -> StepPlan:
+        """A step of the target alone; greedy, with the n-gram's tree beside it, what a step
+        of that kind would have verified here (``Guessed``): the n-gram's kind is then timed
+        on the same text while the target alone runs, for the price of planning it, not of
+        steps that may lose (on a steep cost curve a wrong guess verified costs much of a
+        pass more). Its planning may take ``ASIDE_SHARE`` of the
+        target-alone steps' time at most: where it takes more, only one step in as many
+        plans it.
+
+        Greedy only: the text written next decides exactly what the tree would have
+        emitted; a sampled tree's acceptance is a draw, and the target's distributions
+        along its nodes are not known."""
+        plan = StepPlan.alone(step.root)
+        if not (step.params.greedy and step.budget is not None):
+            return plan
+        if self.aside_wait > 0:
+            self.aside_wait -= 1
+            return plan
+        t0 = time.perf_counter()
+        self.res.feed_ngram(step.committed)
+        tree = self.ngram_tree(self.res.ngram_drafter(step.params, step.budget), step).tree
+        t_plan = time.perf_counter() - t0
+        share = t_plan / (ASIDE_SHARE * self.planner.plain_seconds())
+        self.aside_wait = max(math.ceil(share), 1) - 1
+        if len(tree) < 2:
+            return plan
+        return dataclasses.replace(plan, t_aside=t_plan, alternatives=(
+            Alternative(StepKind.GUESSES, tree, t_plan),))
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:
@@ -855,6 +939,9 @@ class AutoPolicy:
 
     def observe(self, plan: StepPlan, outcome: Outcome) -> None:
         planner = self.planner
+        written = (*outcome.accepted, outcome.next_token)
+        self.text_at = (self.planned_at + len(written), written[-1])
+        self.after[plan.kind].add(max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0))
         if plan.guesses is not None:
             path, guess = plan.guesses
             if outcome.accepted[:len(path)] == path:  # the target reached the chain's start
@@ -872,8 +959,37 @@ class AutoPolicy:
         # from one to several with the rule's own draws, far more than the kinds differ
         tokens = (outcome.emitted if planner.greedy or outcome.expected is None
                   else outcome.expected)
-        planner.observe_step(plan.kind, tokens, outcome.seconds, switch,
+        planner.observe_step(plan.kind, tokens, outcome.seconds - plan.t_aside, switch,
                              self.counterfactuals(plan, outcome))
+        self.follow(plan, outcome, written)
+
+    def follow(self, plan: StepPlan, outcome: Outcome, written: Sequence[int]) -> None:
+        """Follow the n-gram trees planned beside target-alone steps (``alone``), this one's
+        included, along the tokens the step wrote; each that the text has now decided is
+        timed against its step (``Planner.observe_aside``)."""
+        if plan.kind is StepKind.ROOT and plan.alternatives:
+            alt = plan.alternatives[0]
+            # its verification: this pass scaled by the cost curve to the tree's batch (the
+            # graph switch to its shape included), and the loop's time after the pass as
+            # measured on the n-gram kind's own steps, where it has run
+            target = self.planner.sizer.target
+            batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
+            verify = outcome.t_verify * target(batch) / target.curve(outcome.batch)
+            after = self.after[StepKind.GUESSES]
+            extra = (max(after.value - self.after[StepKind.ROOT].value, 0.0)
+                     if after.weight > 0 else 0.0)
+            self.guessed.append(Guessed(alt.tree,
+                                        outcome.seconds - outcome.t_verify + verify + extra,
+                                        outcome.seconds - plan.t_aside))
+        pending = []
+        for guessed in self.guessed:
+            tokens = guessed.follow(written)
+            if tokens is None:
+                pending.append(guessed)
+            else:
+                self.planner.observe_aside(StepKind.GUESSES, tokens, guessed.seconds,
+                                           guessed.alone)
+        self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
                         ) -> list[tuple[StepKind, float, float]]:
@@ -890,8 +1006,8 @@ class AutoPolicy:
         step, this step's time outside planning and its pass, its planning, and the
         estimated pass. The tokens are known exactly where verification is deterministic:
         greedy, or the target alone."""
-        if outcome.batch < 1 or not plan.alternatives:
-            return []
+        if outcome.batch < 1 or not plan.alternatives or plan.kind is StepKind.ROOT:
+            return []  # (beside the target alone, the text decides them later: ``follow``)
         curve = self.planner.sizer.target.curve
         written = (*outcome.accepted, outcome.next_token)
         hits = self.planner.ngram_hits.value
@@ -910,6 +1026,31 @@ class AutoPolicy:
                     outcome.t_verify * curve(batch) / curve(outcome.batch))
             out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits), seconds))
         return out
+
+
+@dataclasses.dataclass(slots=True)
+class Guessed:
+    """An n-gram tree planned beside a step of the target alone, and not verified: followed
+    down the text written since (greedy: the target's own tokens, whichever kind wrote
+    them) until the text leaves it or reaches a leaf. Then what a step verifying it would
+    have emitted is known exactly: the tokens along it, and the target's next."""
+
+    tree: TokenTree
+    seconds: float  # what a step verifying it would have taken
+    alone: float    # what the target-alone step took for its token
+    node: int = 0
+
+    def follow(self, tokens: Sequence[int]) -> int | None:
+        """Follow ``tokens``, the text's next; the tokens the tree's step would have emitted,
+        or None while the text has not yet decided."""
+        for token in tokens:
+            child = self.tree.child_with_token(self.node, token)
+            if child is None:
+                return self.tree.depths[self.node] + 1
+            self.node = child
+            if not self.tree.children[child]:
+                return self.tree.depths[child] + 1
+        return None
 
 
 def catching_up(counters: DraftCounters, draft: VerifyCost | None) -> float:

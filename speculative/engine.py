@@ -337,7 +337,7 @@ class Engine:
         redecoded = self._redecode
         accepted = self._commit(plan, verdict, slots, in_place)
         t3 = time.perf_counter()
-        drafting = plan.counters.t_draft + plan.counters.t_stage2
+        drafting = plan.counters.t_draft + plan.counters.t_stage2 + plan.t_aside
         single = self._single_pass(batch, shape_before, t2 - t1)
         plain = self._plain_per_token(batch, single, t3 - t0 - (t2 - t1) - drafting)
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),

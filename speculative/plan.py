@@ -63,6 +63,9 @@ class StepPlan:
     # auto's n-gram chain hung below a drafted path: (that path, the chain's tokens)
     guesses: tuple[Path, Path] | None = None
     alternatives: tuple[Alternative, ...] = ()  # auto: what other kinds would have verified
+    # seconds of planning spent on alternatives alone (a target-alone step's n-gram tree):
+    # not part of the step's own kind, nor of the loop around plain decoding's passes
+    t_aside: float = 0.0
 
     @property
     def counters(self) -> DraftCounters:

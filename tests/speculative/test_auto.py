@@ -16,11 +16,13 @@ from speculative.auto import (
     EXPLORE_SHARE,
     FULL_SHARE_LEAD,
     HOLD_STEPS,
+    MAX_BACKOFF,
     RECALL_STEPS,
     START_STEPS,
     SWITCH_DOUBTS,
     SWITCH_MARGIN,
     TRIAL_STEPS,
+    Guessed,
     Planner,
     catching_up,
 )
@@ -1290,3 +1292,96 @@ def test_a_kind_read_ahead_long_ago_is_not_explored_at_every_step_while_it_runs_
     guessed = taken.count(StepKind.GUESSES)
     assert TRIAL_STEPS <= guessed <= TRIAL_STEPS + 3, taken
     assert taken[-EXPLORE_EVERY // 2:] == [StepKind.DRAFT] * (EXPLORE_EVERY // 2)
+
+
+def test_a_tree_beside_the_target_alone_is_decided_by_the_text_written_after_it() -> None:
+    """An n-gram tree planned beside a target-alone step follows the text written since,
+    step by step, until the text leaves it (the tokens along it and the target's own) or
+    reaches a leaf (its depth and the target's next, whatever that is)."""
+    tree = TokenTree.rooted(1)
+    a = tree.add(0, 5, 0.9, "ngram")
+    b = tree.add(a, 6, 0.8, "ngram")
+    tree.add(b, 7, 0.7, "ngram")
+    tree.add(0, 9, 0.1, "ngram")
+    assert Guessed(tree, 1.0, 1.0).follow([4]) == 1   # not in the tree: the target's own
+    assert Guessed(tree, 1.0, 1.0).follow([9]) == 2   # a leaf: it and the target's next
+    guessed = Guessed(tree, 1.0, 1.0)
+    assert guessed.follow([5]) is None  # undecided while the text follows it
+    assert guessed.follow([6]) is None
+    assert guessed.follow([8, 3]) == 3  # left at the third level
+    assert Guessed(tree, 1.0, 1.0).follow([5, 6, 7]) == 4
+
+
+def test_the_ngram_kind_timed_beside_the_target_alone_takes_over_without_being_explored(
+        ) -> None:
+    """The target alone has been running: the n-gram's kind measured at half its speed, its
+    explorations so surely lost that its wait is at the longest, and no budget left. The
+    text turns repetitive: the n-gram's trees planned beside the target alone's steps,
+    decided by the text written after them, show it 1.5 times as fast. It takes over within
+    a few dozen steps, none of its own run to find out; without those timings it would not
+    run again for hundreds of steps."""
+    for beside in (True, False):
+        planner = _planner()
+        _beside_root(planner, StepKind.GUESSES, [(1, 2.0)] * 6)
+        kinds = [StepKind.GUESSES, StepKind.ROOT]
+        while planner.held is not StepKind.ROOT:
+            planner.observe_step(StepKind.ROOT, 1, 1.0)
+        planner.every[StepKind.GUESSES] = EXPLORE_EVERY * MAX_BACKOFF
+        planner.regret = 1e9  # no budget: nothing explored for its own sake
+        taken = []
+        for _ in range(2 * EXPLORE_EVERY):
+            kind = planner.choose(kinds)
+            taken.append(kind)
+            if kind is StepKind.GUESSES:
+                planner.observe_step(kind, 3, 2.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+                continue
+            planner.observe_step(kind, 1, 1.0)
+            if beside:
+                planner.observe_aside(StepKind.GUESSES, 3, 2.0, 1.0)
+        if beside:
+            first = taken.index(StepKind.GUESSES)
+            assert planner.held is StepKind.GUESSES and first < EXPLORE_EVERY
+            assert taken[first:] == [StepKind.GUESSES] * (len(taken) - first)
+            assert planner.speed(StepKind.GUESSES) == pytest.approx(1.5, rel=0.05)
+        else:
+            assert taken == [StepKind.ROOT] * len(taken)
+
+
+def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exact() -> None:
+    """On fake models with the target alone measured fastest, every greedy step is the
+    target alone; beside each, the n-gram's tree is planned and, once the text has decided
+    it, timed against the step; its planning is not counted in the target alone's time."""
+
+    class Planted(Planner):  # the rates stay as planted; what is timed beside is recorded
+        ran: list[float] = []  # noqa: RUF012 (the test's record)
+        asides: list[tuple[float, float, float]] = []  # noqa: RUF012
+
+        def observe_step(self, kind: StepKind, tokens: float, seconds: float,
+                         switch: float = 0.0, alternatives=()) -> None:
+            assert kind is StepKind.ROOT and not alternatives
+            self.ran.append(seconds)
+
+        def observe_aside(self, kind: StepKind, tokens: float, seconds: float, alone: float
+                          ) -> None:
+            assert kind is StepKind.GUESSES
+            self.asides.append((tokens, seconds, alone))
+
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
+    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+    planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 1.0),     # a token a second
+                                       (StepKind.DRAFT, 1, 4.0),
+                                       (StepKind.GUESSES, 1, 4.0)])
+    planner.greedy = True
+    for prompt in PROMPTS[10:12]:
+        planner.ran.clear()
+        planner.asides.clear()
+        assert _generate(engine, prompt, 24) == _plain(prompt, 24)
+        # the text repeats what the n-gram model learned: its trees follow it for several
+        # tokens, and all but the last few are decided before the reply ends
+        assert len(planner.asides) >= len(planner.ran) - 8
+        assert max(tokens for tokens, _, _ in planner.asides) > 2
+        assert all(seconds > alone > 0 for _, seconds, alone in planner.asides)
+    # the target alone's own steps: as long as the steps, less the n-gram's planning
+    assert planner.asides[-1][2] in planner.ran
