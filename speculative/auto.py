@@ -69,22 +69,23 @@ again at all.
 
 Which kind is fastest is judged on the same text where possible: a step's plan names what the
 other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
-tree beside a draft step, and the target alone beside every drafted step), and the step's
-verdict tells exactly how many tokens those would have emitted; their time is the step's own
-outside planning, their planning, and this step's target pass scaled by the cost curve to
-their batch. Rates measured at different moments differ more with the text (a new prompt, a
-docstring against code) than the kinds differ from each other; paired on the same steps, the
-text's difficulty cancels (``Paired``). Greedy, a step of the target alone plans the n-gram's
-tree beside it too, and the text written after it decides what that tree would have emitted
-(``Guessed``; its planning may take ``ASIDE_SHARE`` of those steps' time, no more): once the
-target alone ran, the n-gram's kind was otherwise measured only by explorations, each a loss
-while the text was hard (on a steep curve a wrong guess verified costs much of a pass more),
-their waits doubling while they lost, and the target alone ran on for hundreds of steps where
-the n-gram's kind had become the faster. The wait before exploring a kind counts from when it
-was last timed against the fastest (``Planner.since``), not from when it last ran. A sampled
-step counts the tokens its tree yields on average over the acceptance rule's draws
-(``Verdict.expected``), not the ones it drew: by the draws alone one step emits 1 token and
-the next 5, and kinds a few percent apart are told apart only after many steps.
+tree beside a draft step, and the target alone beside every drafted step), and the text the
+target writes from there tells exactly how many tokens those would have emitted (``Guessed``:
+a tree is followed down the text until it leaves the tree or reaches a leaf); their time is
+the step's own outside planning, their planning, and this step's target pass scaled by the
+cost curve to their batch. Rates measured at different moments differ more with the text (a
+new prompt, a docstring against code) than the kinds differ from each other; paired on the
+same steps, the text's difficulty cancels (``Paired``). Greedy, a step of the target alone
+plans the n-gram's tree beside it too, decided in the same way (its planning may take
+``ASIDE_SHARE`` of those steps' time, no more): once the target alone ran, the n-gram's kind
+was otherwise measured only by explorations, each a loss while the text was hard (on a steep
+curve a wrong guess verified costs much of a pass more), their waits doubling while they lost,
+and the target alone ran on for hundreds of steps where the n-gram's kind had become the
+faster. The wait before exploring a kind counts from when it was last timed against the
+fastest (``Planner.since``), not from when it last ran. A sampled step counts the tokens its
+tree yields on average over the acceptance rule's draws (``Verdict.expected``), not the ones
+it drew: by the draws alone one step emits 1 token and the next 5, and kinds a few percent
+apart are told apart only after many steps.
 
 What was measured carries over: from one sampling to the other and back (sampled trees accept
 far less than greedy ones, so each sampling has its own measurements), and, through
@@ -265,35 +266,6 @@ class Paired:
             raise ValueError(f"not a pair's timings: {memory!r}")
         k = shrink(seen, steps)
         return cls(*(x * k for x in sums), min(seen, steps), logs * k, squares * k)
-
-
-def counterfactual_tokens(tree: TokenTree, written: Sequence[int],
-                          hit_rate: float = 0.0) -> float:
-    """Tokens a greedy step verifying ``tree`` would have emitted where the target wrote
-    ``written`` (the accepted tokens and its own next one): the tree's nodes along them, plus
-    the target's token after the last. Past ``written`` the target's tokens are unknown: a
-    tree that holds all of them and goes deeper is credited, for each level of its deepest
-    path below, with ``hit_rate`` to the power of the level (the chance, measured, that a
-    guess is accepted where its parent was). Counted as stopping there, a deep n-gram chain
-    beside a step that stopped early would be credited with what that step emitted, and the
-    kind that ran would look the faster on the very steps it was worst at."""
-    node, k = 0, 0
-    for token in written:
-        child = tree.child_with_token(node, token)
-        if child is None:
-            return k + 1
-        node, k = child, k + 1
-    below = _height(tree, node)
-    return k + 1 + sum(hit_rate ** level for level in range(1, below + 1))
-
-
-def _height(tree: TokenTree, node: int) -> int:
-    """Levels of ``tree`` below ``node`` on its deepest path."""
-    height, frontier = 0, list(tree.children[node])
-    while frontier:
-        height += 1
-        frontier = [c for v in frontier for c in tree.children[v]]
-    return height
 
 
 def _backoff(every: int, lost: bool) -> int:
@@ -702,12 +674,18 @@ class Planner:
                 self.every[kind] = _backoff(self.every[kind], lost)
         self.held = self.fastest(list(StepKind))
 
-    def observe_aside(self, kind: StepKind, tokens: float, seconds: float, alone: float
-                      ) -> None:
+    def observe_aside(self, kind: StepKind, tokens: float, seconds: float,
+                      against: Sequence[tuple[StepKind, float, float]]) -> None:
         """A step of ``kind`` that did not run would have emitted ``tokens`` in ``seconds``
-        where a step of the target alone, which ran, took ``alone`` for its token: evidence
-        of ``kind``'s speed now, as if ``kind`` had run with the target alone beside it."""
-        self.with_root(kind).add(tokens, seconds, 1.0, alone)
+        (known once the text decided it: a recent step's, counted as this one's) where the
+        kinds ``against`` ran or were timed, each (kind, tokens, seconds): paired with each
+        as if ``kind`` had run beside it (against the target alone: ``with_root``)."""
+        for other, other_tokens, other_seconds in against:
+            if other is StepKind.ROOT:
+                self.with_root(kind).add(tokens, seconds, other_tokens, other_seconds)
+            else:
+                self.pairs.setdefault((other, kind), Paired()).add(
+                    other_tokens, other_seconds, tokens, seconds)
 
     def with_root(self, kind: StepKind) -> Paired:
         """``kind``'s timings against the target alone, to be added to at the step being
@@ -849,13 +827,16 @@ class AutoPolicy:
         t0 = time.perf_counter()
         self.res.feed_ngram(step.committed)
         tree = self.ngram_tree(self.res.ngram_drafter(step.params, step.budget), step).tree
-        t_plan = time.perf_counter() - t0
-        share = t_plan / (ASIDE_SHARE * self.planner.plain_seconds())
+        t1 = time.perf_counter()
+        share = (t1 - t0) / (ASIDE_SHARE * self.planner.plain_seconds())
         self.aside_wait = max(math.ceil(share), 1) - 1
         if len(tree) < 2:
             return plan
-        return dataclasses.replace(plan, t_aside=t_plan, alternatives=(
-            Alternative(StepKind.GUESSES, tree, t_plan),))
+        # its planning counts from the step's start, as beside a drafted step (the step's
+        # setup is the alternative's too)
+        begun = t0 if step.t0 is None else step.t0
+        return dataclasses.replace(plan, t_aside=t1 - t0, alternatives=(
+            Alternative(StepKind.GUESSES, tree, t1 - begun),))
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:
@@ -959,85 +940,95 @@ class AutoPolicy:
         # from one to several with the rule's own draws, far more than the kinds differ
         tokens = (outcome.emitted if planner.greedy or outcome.expected is None
                   else outcome.expected)
-        planner.observe_step(plan.kind, tokens, outcome.seconds - plan.t_aside, switch,
-                             self.counterfactuals(plan, outcome))
-        self.follow(plan, outcome, written)
+        ran = outcome.seconds - plan.t_aside  # the step as its kind takes it
+        now, trees = [], []
+        for kind, tree, seconds in self.counterfactuals(plan, outcome):
+            if len(tree) == 1:  # the target alone: its token, whatever it is
+                now.append((kind, 1.0, seconds))
+            else:
+                trees.append((kind, tree, seconds))
+        planner.observe_step(plan.kind, tokens, ran, switch, now)
+        # the trees are decided by the text written from here on (greedy: the target's own
+        # tokens, whichever kind writes them), and timed then against what ran here
+        against = ((plan.kind, tokens, max(ran - switch, 1e-9)), *now)
+        self.guessed += [Guessed(tree, kind, seconds, against) for kind, tree, seconds in trees]
+        self.follow(written)
 
-    def follow(self, plan: StepPlan, outcome: Outcome, written: Sequence[int]) -> None:
-        """Follow the n-gram trees planned beside target-alone steps (``alone``), this one's
-        included, along the tokens the step wrote; each that the text has now decided is
-        timed against its step (``Planner.observe_aside``)."""
-        if plan.kind is StepKind.ROOT and plan.alternatives:
-            alt = plan.alternatives[0]
-            # its verification: this pass scaled by the cost curve to the tree's batch (the
-            # graph switch to its shape included), and the loop's time after the pass as
-            # measured on the n-gram kind's own steps, where it has run
-            target = self.planner.sizer.target
-            batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
-            verify = outcome.t_verify * target(batch) / target.curve(outcome.batch)
-            after = self.after[StepKind.GUESSES]
-            extra = (max(after.value - self.after[StepKind.ROOT].value, 0.0)
-                     if after.weight > 0 else 0.0)
-            self.guessed.append(Guessed(alt.tree,
-                                        outcome.seconds - outcome.t_verify + verify + extra,
-                                        outcome.seconds - plan.t_aside))
+    def follow(self, written: Sequence[int]) -> None:
+        """Follow the alternatives' trees along the tokens a step wrote; each that the text
+        has now decided is timed against the kinds that ran or were timed in its step
+        (``Planner.observe_aside``)."""
         pending = []
         for guessed in self.guessed:
             tokens = guessed.follow(written)
             if tokens is None:
                 pending.append(guessed)
             else:
-                self.planner.observe_aside(StepKind.GUESSES, tokens, guessed.seconds,
-                                           guessed.alone)
+                self.planner.observe_aside(guessed.kind, tokens, guessed.seconds,
+                                           guessed.against)
         self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
-                        ) -> list[tuple[StepKind, float, float]]:
-        """What each of the plan's alternatives would have emitted in this step, and in how
+                        ) -> list[tuple[StepKind, TokenTree, float]]:
+        """What each of the plan's alternatives would have verified in this step, and in how
         many seconds: the step's own time outside planning and the target's pass, the
         alternative's planning, and the target's pass over the alternative's batch at this
         moment (so the machine's load of the moment is in both): over a tree, this pass scaled
-        by the cost curve; the target alone, a step of its own at this moment
+        by the cost curve (beside the target alone, with the graph switch to the tree's
+        shape, and the loop's time after the pass as measured on the n-gram kind's own
+        steps, where it has run: a tree's commit and bookkeeping take longer than a lone
+        token's); the target alone, a step of its own at this moment
         (``Outcome.t_alone``: the engine's estimate of its pass, whose fixed costs do not
         shrink with the cost curve, and the loop's time around such a pass as measured on its
         steps, which is less than around a tree's: a tree's verification and bookkeeping
         counted in, the target alone read slow beside the drafted kinds where a pass costs
         little more than the loop, and they ran where it was faster), or before any such
         step, this step's time outside planning and its pass, its planning, and the
-        estimated pass. The tokens are known exactly where verification is deterministic:
-        greedy, or the target alone."""
-        if outcome.batch < 1 or not plan.alternatives or plan.kind is StepKind.ROOT:
-            return []  # (beside the target alone, the text decides them later: ``follow``)
-        curve = self.planner.sizer.target.curve
-        written = (*outcome.accepted, outcome.next_token)
-        hits = self.planner.ngram_hits.value
+        estimated pass. Sampled, a tree's acceptance is a draw, not known from the text:
+        only the target alone is timed there."""
+        if outcome.batch < 1 or not plan.alternatives:
+            return []
+        target = self.planner.sizer.target
+        curve = target.curve
         rest = max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0)
         out = []
         for alt in plan.alternatives:
             if alt.kind is not StepKind.ROOT and not self.planner.greedy:
-                continue  # a sampled tree's acceptance is a draw: not known for this step
+                continue
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
-            if batch == 1 and outcome.t_alone > 0:
+            if plan.kind is StepKind.ROOT:
+                after = self.after[StepKind.GUESSES]
+                extra = (max(after.value - self.after[StepKind.ROOT].value, 0.0)
+                         if after.weight > 0 else 0.0)
+                seconds = rest + alt.t_plan + extra + (
+                    outcome.t_verify * target(batch) / curve(outcome.batch))
+            elif batch == 1 and outcome.t_alone > 0:
                 seconds = outcome.t_alone
             elif batch == 1 and outcome.t_single > 0:
                 seconds = rest + alt.t_plan + outcome.t_single
             else:
                 seconds = rest + alt.t_plan + (
                     outcome.t_verify * curve(batch) / curve(outcome.batch))
-            out.append((alt.kind, counterfactual_tokens(alt.tree, written, hits), seconds))
+            out.append((alt.kind, alt.tree, seconds))
         return out
 
 
 @dataclasses.dataclass(slots=True)
 class Guessed:
-    """An n-gram tree planned beside a step of the target alone, and not verified: followed
-    down the text written since (greedy: the target's own tokens, whichever kind wrote
+    """A tree another kind would have verified in a step's place (greedy), not verified:
+    followed down the text written since (the target's own tokens, whichever kind wrote
     them) until the text leaves it or reaches a leaf. Then what a step verifying it would
-    have emitted is known exactly: the tokens along it, and the target's next."""
+    have emitted is known exactly: the tokens along it, and the target's next. (Counted
+    as stopping where the step that ran stopped, a deep n-gram chain beside a draft step
+    that stopped early was credited with what that step emitted, and the kind that ran
+    looked the faster on the very steps it was worst at.)"""
 
     tree: TokenTree
+    kind: StepKind
     seconds: float  # what a step verifying it would have taken
-    alone: float    # what the target-alone step took for its token
+    # (kind, tokens, seconds) of the step's kind as it ran, and of the target alone where it
+    # was timed in its place: what the tree's step is timed against once decided
+    against: tuple[tuple[StepKind, float, float], ...]
     node: int = 0
 
     def follow(self, tokens: Sequence[int]) -> int | None:

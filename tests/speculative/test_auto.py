@@ -907,32 +907,6 @@ def test_the_target_alone_is_measured_even_when_the_budget_is_spent() -> None:
     assert taken[-20:] == [StepKind.ROOT] * 20
 
 
-def test_counterfactual_tokens_follow_what_the_target_wrote() -> None:
-    """A tree that was not verified is credited with exactly what greedy verification of it
-    would have emitted: its nodes along the target's tokens, plus the target's next one;
-    where it holds all that the target wrote and goes deeper, with what its deeper levels
-    are expected to add."""
-    from speculative.auto import counterfactual_tokens
-
-    tree = TokenTree.rooted(7)
-    a = tree.add(0, 1, 0.9, "ngram")
-    tree.add(a, 2, 0.5, "ngram")
-    tree.add(0, 3, 0.1, "ngram")
-    assert counterfactual_tokens(tree, (1, 2, 5)) == 3  # 1, 2 accepted, then the target's 5
-    assert counterfactual_tokens(tree, (1, 4)) == 2
-    assert counterfactual_tokens(tree, (3,)) == 2       # all it holds of what was written
-    assert counterfactual_tokens(tree, (9, 1)) == 1
-    assert counterfactual_tokens(TokenTree.rooted(7), (1, 2)) == 1  # the target alone
-    # past what was written: the deepest path below, level by level at the hit rate
-    assert counterfactual_tokens(tree, (1,)) == 2
-    assert counterfactual_tokens(tree, (1,), hit_rate=0.5) == pytest.approx(2.5)
-    b = tree.add(tree.children[a][0], 6, 0.3, "ngram")
-    tree.add(b, 8, 0.2, "ngram")
-    assert counterfactual_tokens(tree, (1,), hit_rate=0.5) == pytest.approx(2 + 0.5 + 0.25
-                                                                            + 0.125)
-    assert counterfactual_tokens(tree, (1, 4), hit_rate=0.5) == 2  # left the tree: known
-
-
 def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_single_pass(
         ) -> None:
     """A drafted step's counterfactuals: the target alone costs the step's time outside
@@ -962,8 +936,8 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
     outcome = Outcome([a], (1,), 2, seconds=0.30, t_plan=0.08, t_verify=0.20, batch=4,
                       next_token=5, t_single=0.18)
     rest, curve = 0.02, planner.sizer.target.curve
-    (gu, gu_tokens, gu_s), (root, root_tokens, root_s) = policy.counterfactuals(plan, outcome)
-    assert (gu, gu_tokens, root, root_tokens) == (StepKind.GUESSES, 2, StepKind.ROOT, 1)
+    (gu, gu_tree, gu_s), (root, root_tree, root_s) = policy.counterfactuals(plan, outcome)
+    assert (gu, gu_tree, root, len(root_tree)) == (StepKind.GUESSES, guesses, StepKind.ROOT, 1)
     assert gu_s == pytest.approx(rest + 0.01 + 0.20 * curve(2) / curve(4))
     assert root_s == pytest.approx(rest + 0.18)
     assert root_s > rest + 0.20 * curve(1) / curve(4)  # what the curve alone says
@@ -1294,22 +1268,25 @@ def test_a_kind_read_ahead_long_ago_is_not_explored_at_every_step_while_it_runs_
     assert taken[-EXPLORE_EVERY // 2:] == [StepKind.DRAFT] * (EXPLORE_EVERY // 2)
 
 
-def test_a_tree_beside_the_target_alone_is_decided_by_the_text_written_after_it() -> None:
-    """An n-gram tree planned beside a target-alone step follows the text written since,
-    step by step, until the text leaves it (the tokens along it and the target's own) or
-    reaches a leaf (its depth and the target's next, whatever that is)."""
+def test_an_alternative_tree_is_decided_by_the_text_written_after_it() -> None:
+    """A tree another kind would have verified in a step's place follows the text written
+    since, step by step, until the text leaves it (the tokens along it and the target's
+    own) or reaches a leaf (its depth and the target's next, whatever that is)."""
     tree = TokenTree.rooted(1)
     a = tree.add(0, 5, 0.9, "ngram")
     b = tree.add(a, 6, 0.8, "ngram")
     tree.add(b, 7, 0.7, "ngram")
     tree.add(0, 9, 0.1, "ngram")
-    assert Guessed(tree, 1.0, 1.0).follow([4]) == 1   # not in the tree: the target's own
-    assert Guessed(tree, 1.0, 1.0).follow([9]) == 2   # a leaf: it and the target's next
-    guessed = Guessed(tree, 1.0, 1.0)
+    def fresh() -> Guessed:
+        return Guessed(tree, StepKind.GUESSES, 1.0, ())
+
+    assert fresh().follow([4]) == 1  # not in the tree: the target's own
+    assert fresh().follow([9]) == 2  # a leaf: it and the target's next
+    guessed = fresh()
     assert guessed.follow([5]) is None  # undecided while the text follows it
     assert guessed.follow([6]) is None
     assert guessed.follow([8, 3]) == 3  # left at the third level
-    assert Guessed(tree, 1.0, 1.0).follow([5, 6, 7]) == 4
+    assert fresh().follow([5, 6, 7]) == 4
 
 
 def test_the_ngram_kind_timed_beside_the_target_alone_takes_over_without_being_explored(
@@ -1337,7 +1314,7 @@ def test_the_ngram_kind_timed_beside_the_target_alone_takes_over_without_being_e
                 continue
             planner.observe_step(kind, 1, 1.0)
             if beside:
-                planner.observe_aside(StepKind.GUESSES, 3, 2.0, 1.0)
+                planner.observe_aside(StepKind.GUESSES, 3, 2.0, [(StepKind.ROOT, 1, 1.0)])
         if beside:
             first = taken.index(StepKind.GUESSES)
             assert planner.held is StepKind.GUESSES and first < EXPLORE_EVERY
@@ -1361,9 +1338,11 @@ def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exac
             assert kind is StepKind.ROOT and not alternatives
             self.ran.append(seconds)
 
-        def observe_aside(self, kind: StepKind, tokens: float, seconds: float, alone: float
+        def observe_aside(self, kind: StepKind, tokens: float, seconds: float, against
                           ) -> None:
             assert kind is StepKind.GUESSES
+            [(ran, one, alone)] = against  # the target alone, as it ran
+            assert (ran, one) == (StepKind.ROOT, 1)
             self.asides.append((tokens, seconds, alone))
 
     corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
@@ -1385,3 +1364,42 @@ def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exac
         assert all(seconds > alone > 0 for _, seconds, alone in planner.asides)
     # the target alone's own steps: as long as the steps, less the n-gram's planning
     assert planner.asides[-1][2] in planner.ran
+
+
+def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_have_emitted(
+        ) -> None:
+    """Beside a draft step that emitted 2 tokens, the n-gram's chain of three held both and
+    goes deeper: the next step's text decides it (all three, and the target's next: 4
+    tokens), and only then is it paired with the draft's step and the target alone timed
+    in that step's place."""
+    from types import SimpleNamespace
+
+    from speculative.auto import AutoPolicy
+    from speculative.plan import Alternative, StepPlan
+    from speculative.policies import Outcome
+
+    planner = _planner()
+    planner.greedy = True
+    policy = AutoPolicy(SimpleNamespace(planner=planner))
+    drafted = TokenTree.rooted(7)
+    drafted.add(0, 1, 0.9, "draft")
+    chain = TokenTree.rooted(7)
+    node = 0
+    for token in (1, 2, 3):
+        node = chain.add(node, token, 0.5, "ngram")
+    plan = StepPlan(DraftTree(drafted, {}), None, StepKind.DRAFT, alternatives=(
+        Alternative(StepKind.GUESSES, chain, 0.01), Alternative(StepKind.ROOT,
+                                                               TokenTree.rooted(7))))
+    outcome = Outcome([1], (1,), 2, seconds=0.30, t_plan=0.08, t_verify=0.20, batch=2,
+                      next_token=2, t_single=0.18, t_alone=0.2)
+    policy.observe(plan, outcome)
+    assert (StepKind.DRAFT, StepKind.GUESSES) not in planner.pairs  # not decided yet
+    assert planner.pairs[(StepKind.DRAFT, StepKind.ROOT)].alt_tokens == 1
+    later = StepPlan.alone(2)
+    policy.observe(later, Outcome([], (), 1, seconds=0.2, t_verify=0.18, batch=1,
+                                  next_token=3))
+    pair = planner.pairs[(StepKind.DRAFT, StepKind.GUESSES)]
+    assert (pair.tokens, pair.alt_tokens) == (2, 4)
+    assert pair.seconds == pytest.approx(0.30)
+    guesses = planner.pairs[(StepKind.GUESSES, StepKind.ROOT)]
+    assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
