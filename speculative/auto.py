@@ -811,9 +811,8 @@ class AutoPolicy:
         of that kind would have verified here (``Guessed``): the n-gram's kind is then timed
         on the same text while the target alone runs, for the price of planning it, not of
         steps that may lose (on a steep cost curve a wrong guess verified costs much of a
-        pass more). Its planning may take ``ASIDE_SHARE`` of the
-        target-alone steps' time at most: where it takes more, only one step in as many
-        plans it.
+        pass more). Its planning may take ``ASIDE_SHARE`` of the target-alone steps' time at
+        most: where it takes more, only one step in as many plans it.
 
         Greedy only: the text written next decides exactly what the tree would have
         emitted; a sampled tree's acceptance is a draw, and the target's distributions
