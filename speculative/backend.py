@@ -545,6 +545,8 @@ class LlamaContext:
         self.n_batch: int = llama_cpp.llama_n_batch(ptr)
         self.n_seq_max: int = llama_cpp.llama_n_seq_max(ptr)
         self.n_threads, self.flash_attn = threads, config.flash_attn
+        # seconds every decode waits after llama.cpp's pass (benchmarks only: ``emulate``)
+        self.pass_latency = 0.0
         self._batch = llama_cpp.llama_batch_init(self.n_batch, 0, self.n_seq_max)
         # numpy views over the batch's C arrays: filling them costs far less than ctypes indexing
         b = self._batch
@@ -564,9 +566,19 @@ class LlamaContext:
     @property
     def cost_key(self) -> str:
         """What a measured decode-cost curve depends on: the file, the machine, the settings
-        (``speculative.costmodel`` caches curves under it)."""
-        return "|".join(str(x) for x in (
+        (``speculative.costmodel`` caches curves under it), and an emulated latency."""
+        key = "|".join(str(x) for x in (
             setting_key(self.model, self.n_threads, self.n_batch), self.flash_attn))
+        return key + (f"|latency {self.pass_latency!r}" if self.pass_latency else "")
+
+    def emulate(self, latency: float) -> None:
+        """Make every decode take ``latency`` seconds more (0: none), as a pass with that fixed
+        cost would: how the engine fares where the cost of a pass barely grows with its batch
+        (a GPU, a memory-bound model on a CPU with matrix units) can then be measured on any
+        host. For benchmarks only: the figures are not this host's."""
+        if latency < 0 or not math.isfinite(latency):
+            raise ValueError(f"an emulated latency must be >= 0 seconds, got {latency!r}")
+        self.pass_latency = float(latency)
 
     def decode(self, tokens: Sequence[int], positions: Sequence[int],
                seq_ids: Sequence[Sequence[int]], logits: Sequence[bool] | bool = True,
@@ -604,6 +616,8 @@ class LlamaContext:
         self._out[:n] = want
         self._batch.n_tokens = n
         rc = llama_cpp.llama_decode(self.ptr, self._batch)
+        if self.pass_latency:
+            time.sleep(self.pass_latency)
         if rc != 0:
             raise LlamaError(f"llama_decode failed ({rc}): {_take_errors() or 'no message'}")
         n_out = sum(want)

@@ -99,6 +99,11 @@ def add_arguments(parser: argparse.ArgumentParser) -> None:
                         help="also run llama.cpp's C++ llama-bench and llama-speculative "
                              "(built on first use, minutes)")
     parser.add_argument("--chart", type=Path, help="save a PNG chart of the speedups")
+    parser.add_argument("--emulate-pass-ms", type=float, default=0.0, metavar="MS",
+                        help="add MS milliseconds to every target pass: emulates a host whose "
+                             "cost curve is flat (a pass's cost barely grows with its batch: a "
+                             "GPU, matrix units); the report says so, and its figures are not "
+                             "this host's")
     parser.add_argument("--markdown", action="store_true",
                         help="print the results as Markdown tables (for the README)")
 
@@ -159,12 +164,20 @@ def bench(args: argparse.Namespace, target: Path, draft: Path | None, ngram_path
         if args.penalties in ("on", "both"):
             samplings[name + PENALISED] = bases[name].with_sampler(params)
     chosen = list(samplings)
+    emulated = args.emulate_pass_ms
+    if emulated and (args.native or args.peers):
+        raise ValueError("--emulate-pass-ms slows only this engine's target passes: "
+                         "llama.cpp's own tools (--native, --peers) would not be compared "
+                         "like with like")
     report: dict[str, Any] = {"target": target.name, "draft": draft.name if draft else None,
                               "cells": []}
     if args.penalties != "off":
         report["penalties"] = describe_sampler(params)
     with open_pair(target, draft, config, (args.gpu_layers, args.draft_gpu_layers),
                    ngram_path, ngram_optional=args.ngram is None) as pair:
+        if emulated:  # before the curves are measured: they price the emulated passes
+            pair.target_ctx.emulate(emulated / 1000)
+            report["emulated_pass_ms"] = emulated
         # flash attention as the target's context runs it (measured where the options say auto)
         config = dataclasses.replace(config, flash_attn=pair.target_ctx.flash_attn)
         report["host"] = host_info(config.n_threads, config.flash_attn,
@@ -509,11 +522,18 @@ class Progress:
             sys.stderr.write("\r" + " " * 100 + "\r")
 
 
+def _emulated(report: dict[str, Any]) -> str:
+    return (f"EMULATED: every target pass took {report['emulated_pass_ms']:g} ms more "
+            "(--emulate-pass-ms, a flat cost curve): these figures are not this host's.")
+
+
 def format_report(report: dict[str, Any], repeats: int) -> str:
     host = report["host"]
     lines = [f"target {report['target']}, draft {report['draft']}; {host['cpu']}, "
              f"{host['threads']} threads, flash attention {_on(host)}; {repeats} repeats "
              "(median, min-max)"]
+    if report.get("emulated_pass_ms"):
+        lines.append(_emulated(report))
     for name, ms in (host.get("flash_ms") or {}).items():
         lines.append(f"{name}: one token over the window {ms['on']:.1f} ms with flash "
                      f"attention, {ms['off']:.1f} ms without (measured once on this machine)")
@@ -614,6 +634,7 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
                 " (measured again: the cached curve priced one token above what plain "
                 "decoding's took)")
              + f"; median of {repeats} repeats (range)."
+             + (f" {_emulated(report)}" if report.get("emulated_pass_ms") else "")
              + "".join(f" {name.capitalize()}: one token over the window {ms['on']:.1f} ms "
                        f"with flash attention, {ms['off']:.1f} ms without."
                        for name, ms in (host.get("flash_ms") or {}).items()), ""]

@@ -89,7 +89,9 @@ def save_chart(report: dict[str, Any], path: Path) -> Path:
                f"{'on' if report['host'].get('flash_attn') else 'off'}; target "
                f"cost(n)/cost(1) {curve}; median of the repeats, whiskers: min-max"
                + ("; grey: llama.cpp's llama-speculative, chains of at most n draft tokens"
-                  if native else ""))
+                  if native else "")
+               + (f"; EMULATED: every target pass {report['emulated_pass_ms']:g} ms longer, "
+                  "not this host's figures" if report.get("emulated_pass_ms") else ""))
     for r, prompts in enumerate(rows):
         for c, sampling in enumerate(columns):
             cell = next((x for x in cells if x["sampling"] == sampling

@@ -245,3 +245,32 @@ def test_a_cached_curve_that_prices_one_token_too_dear_is_measured_again_first(
     assert third["cost_remeasured"] is False
     assert third["cost_ms"]["target"]["1"] == pytest.approx(
         second["cost_ms"]["target"]["1"] / 2, abs=1e-3)
+
+
+def test_an_emulated_flat_curve_is_measured_and_said(tiny_models, tmp_path, capsys,
+                                                     monkeypatch) -> None:
+    """``--emulate-pass-ms`` adds a fixed cost to every target pass: the curve the bench
+    measures (not one cached from a run without it) prices it, the output stays the target's,
+    and every report says the figures are emulated. llama.cpp's own tools are refused beside
+    it (they would run at the host's speed)."""
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    prompts = tmp_path / "prompts.txt"
+    prompts.write_text("def add(a, b):\n")
+    args = ["bench", "--target", str(tiny_models["q8_0-target"]), "--draft",
+            str(tiny_models["q8_0-draft"]), "--prompts", str(prompts), "-n", "6", "--ctx",
+            "256", "--threads", "1", "--mode", "tree", "--repeats", "1", "--no-ceiling"]
+    assert main([*args, "--json"]) == 0  # the host's own curve, cached
+    host = json.loads(capsys.readouterr().out)
+    assert "emulated_pass_ms" not in host
+    assert host["cost_ms"]["target"]["1"] < 20.0  # a tiny model's pass: well under a ms
+    assert main([*args, "--json", "--emulate-pass-ms", "20"]) == 0
+    report = json.loads(capsys.readouterr().out)
+    assert report["emulated_pass_ms"] == 20.0
+    assert report["cost_ms"]["target"]["1"] >= 20.0  # measured with the latency, not recalled
+    assert report["cells"][0]["modes"]["tree"]["identical"] == "1/1"
+    assert main([*args, "--emulate-pass-ms", "20"]) == 0
+    assert "EMULATED: every target pass took 20 ms more" in capsys.readouterr().out
+    assert main([*args, "--markdown", "--emulate-pass-ms", "20"]) == 0
+    assert "EMULATED" in capsys.readouterr().out
+    assert main([*args, "--native", "--emulate-pass-ms", "20"]) == 2
+    assert "--emulate-pass-ms" in capsys.readouterr().err

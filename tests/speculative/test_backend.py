@@ -76,6 +76,10 @@ def test_guards_raise_instead_of_aborting(ctx) -> None:
         ctx.seq_cp(0, 99)
     with pytest.raises(ValueError, match="outside the vocabulary"):
         ctx.decode([50257], [0], [[0]])
+    for latency in (-0.001, float("nan")):
+        with pytest.raises(ValueError, match="emulated latency"):
+            ctx.emulate(latency)
+    assert ctx.pass_latency == 0.0
     # still alive and correct after all that
     out = ctx.decode([1, 2], [0, 1], [[0], [0]])
     assert out.shape == (2, 50257) and np.isfinite(out).all()
