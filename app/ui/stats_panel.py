@@ -228,6 +228,10 @@ class StatsPanel(QWidget):
         self.x_axis.setLabelFormat("%d")
         self.speed_axis.setLabelFormat("%.0f")
         self.tau_axis.setLabelFormat("%.1f")
+        for axis in (self.x_axis, self.speed_axis, self.tau_axis):
+            # the plot area is laid out before the labels grow with the ranges (tokens/s in
+            # the hundreds): truncated, they read "..."
+            axis.setTruncateLabels(False)
         chart.addAxis(self.x_axis, Qt.AlignmentFlag.AlignBottom)
         chart.addAxis(self.speed_axis, Qt.AlignmentFlag.AlignLeft)
         chart.addAxis(self.tau_axis, Qt.AlignmentFlag.AlignRight)

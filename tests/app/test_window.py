@@ -387,6 +387,9 @@ def test_a_reopened_conversation_shows_the_statistics_and_chart_it_was_written_w
     written = _panel(window)
     steps = sum(r.stats["target_passes"] for r in replies)
     assert len(written["chart"][0]) == steps > 2  # a point per step of every reply
+    # the axes' labels whole, whatever the ranges grow to (truncated, "300" read "...")
+    s = window.stats
+    assert not any(a.truncateLabels() for a in (s.x_axis, s.speed_axis, s.tau_axis))
     assert written["meters"][2] == f"{replies[-1].stats['tau']:.2f}"
     assert "\u2013" not in written["meters"]  # an en dash: no value
     assert f"in {replies[-1].stats['target_passes']} target passes" in written["detail"]
