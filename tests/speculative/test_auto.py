@@ -956,7 +956,9 @@ def test_the_target_alones_counterfactual_is_the_meters_plain_token() -> None:
     """The engine tells ``auto`` what a step with the target alone costs at this moment: on
     such a step, the step itself outside drafting; on a drafted one, before any such step,
     nothing (0), and after, the drafted pass's single-token estimate plus the loop's time
-    around the target alone's passes (the plain token the meter counts)."""
+    around the target alone's passes (the plain token the meter counts). A step of the
+    target alone whose pass also decoded a pending token (a reply's first) is priced like a
+    drafted one: its pass was not one token's."""
     from speculative.policies import Outcome
 
     engine = _auto(FLAT, CHEAP_DRAFT)
@@ -975,8 +977,9 @@ def test_the_target_alones_counterfactual_is_the_meters_plain_token() -> None:
     first_alone = kinds.index(StepKind.ROOT)
     assert all(o.t_alone == 0.0 for k, o in seen[:first_alone] if o.batch > 1)
     assert all(o.t_alone > 0.0 for _, o in seen[first_alone:])
-    for kind, o in seen[first_alone:]:
-        if kind is StepKind.ROOT:
+    assert any(k is StepKind.ROOT and o.batch == 1 for k, o in seen)
+    for _, o in seen[first_alone:]:
+        if o.batch == 1:  # the target alone over the root: its own step
             assert o.t_alone <= o.seconds
         else:  # the loop's time around a pass with the target alone is added to its pass
             assert o.t_alone > o.t_single > 0
