@@ -957,8 +957,8 @@ def test_the_target_alones_counterfactual_is_the_meters_plain_token() -> None:
     such a step, the step itself outside drafting; on a drafted one, before any such step,
     nothing (0), and after, the drafted pass's single-token estimate plus the loop's time
     around the target alone's passes (the plain token the meter counts). A step of the
-    target alone whose pass also decoded a pending token (a reply's first) is priced like a
-    drafted one: its pass was not one token's."""
+    target alone whose pass also decoded a token still pending is priced like a drafted
+    one: its pass was not one token's."""
     from speculative.policies import Outcome
 
     engine = _auto(FLAT, CHEAP_DRAFT)
