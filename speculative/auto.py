@@ -1,17 +1,26 @@
 """``auto`` mode: each step takes the kind of step that has been fastest here, sized by cost.
 
 Three kinds of step (``StepKind``): the target alone, the n-gram model's tree, and the draft
-model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. Within a
-kind, the cost model sizes the tree (``speculative.sizing``): a draft batch only where its
-expected tokens per second beat the step's so far, then the cut that maximises them; greedy, the
-n-gram's greedy chain is hung below the draft tree's best leaf and the n-gram's own tree merged
-in (``AutoPolicy.merge``), each n-gram branch beside the draft's choices scored by its own
-measured acceptance (``Scorer.BRANCHES``), and the final cut keeps what pays (at least the
-best node once the draft model has been paid for). An n-gram step verifies at least its best
-node, as ``ngram`` does: on a steep cost curve the model may price a lone node as not paying
-where ``ngram``'s steps, which verify it anyway, run faster (docs/results-log.md), and whether
-it pays is measured instead: the target alone is a kind of its own, timed in every drafted
-step's place.
+model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. Greedy
+with a draft model loaded, the n-gram's tree is not a kind of its own but a choice each step of
+the draft's kind makes before running the draft (``AutoPolicy.without_draft``): with the
+n-gram's tree grown, it prices the target alone, that tree alone, and the draft's merged tree
+(the n-gram tree's expected tokens and seconds plus what running the draft added on steps
+whose n-gram tree looked alike, measured beside the draft's steps: ``Margin``), and takes the
+fastest. On text the n-gram model knows its tree alone runs, where nothing pays the target
+alone, and the draft elsewhere, step by step; chosen as a kind, the n-gram's tree ran for dozens
+of steps at a time, by rates measured a few noisy steps at a time, and the draft paid its
+catching up at every exploration. Within a kind, the cost model sizes the tree
+(``speculative.sizing``): a draft batch only where its expected tokens per second beat the
+step's so far, then the cut that maximises them; greedy, the n-gram's greedy chain is hung
+below the draft tree's best leaf and the n-gram's own tree merged in (``AutoPolicy.merge``),
+each n-gram branch beside the draft's choices scored by its own measured acceptance
+(``Scorer.BRANCHES``), and the final cut keeps what pays (at least the best node once the draft
+model has been paid for). A step of the n-gram's kind (sampled, or without a draft model)
+verifies at least its best node, as ``ngram`` does: on a steep cost curve the model may price a
+lone node as not paying where ``ngram``'s steps, which verify it anyway, run faster
+(docs/results-log.md), and whether it pays is measured instead: the target alone is a kind of
+its own, timed in every drafted step's place.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
@@ -75,8 +84,9 @@ a tree is followed down the text until it leaves the tree or reaches a leaf); th
 the step's own outside planning, their planning, and this step's target pass scaled by the
 cost curve to their batch. Rates measured at different moments differ more with the text (a
 new prompt, a docstring against code) than the kinds differ from each other; paired on the
-same steps, the text's difficulty cancels (``Paired``). Greedy, a step of the target alone
-plans the n-gram's tree beside it too, decided in the same way (its planning may take
+same steps, the text's difficulty cancels (``Paired``). Greedy, where the n-gram's tree is a
+kind of its own (no draft model loaded), a step of the target alone plans the n-gram's tree
+beside it too, decided in the same way (its planning may take
 ``ASIDE_SHARE`` of those steps' time, no more): once the target alone ran, the n-gram's kind
 was otherwise measured only by explorations, each a loss while the text was hard (on a steep
 curve a wrong guess verified costs much of a pass more), their waits doubling while they lost,
@@ -101,6 +111,7 @@ tokens, so ``auto`` is as exact as the tree modes it is made of.
 
 from __future__ import annotations
 
+import bisect
 import dataclasses
 import logging
 import math
@@ -108,7 +119,7 @@ import time
 from collections.abc import Mapping, Sequence
 from typing import Any
 
-from .costmodel import Running, VerifyCost, recalled_sums, shrink
+from .costmodel import Running, VerifyCost, accepted_estimate, recalled_sums, shrink
 from .drafting import (
     DraftCounters,
     DraftTree,
@@ -148,6 +159,9 @@ LEAD_SPREAD = 0.2  # how far apart (in log speed) kinds usually are: what a meas
 PAIR_DECAY = 0.95  # a paired timing's weight after each later step (``Paired``)
 ASIDE_SHARE = 0.02  # time planning the n-gram's tree beside target-alone steps may take
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
+MARGIN_DECAY = 0.97  # the weight of the draft's measured gain over the n-gram's tree after
+                     # each later draft step of the same bin (``Margin``)
+MARGIN_BINS = (1.5, 2.5)  # the n-gram tree's expected tokens that bound the margins' bins
 
 
 @dataclasses.dataclass(slots=True)
@@ -268,6 +282,36 @@ class Paired:
         return cls(*(x * k for x in sums), min(seen, steps), logs * k, squares * k)
 
 
+@dataclasses.dataclass(slots=True)
+class Margin:
+    """What a greedy step of the draft's kind gained by running the draft: the tokens it
+    emitted and the seconds it took beyond those of the n-gram's own cut tree timed in its
+    place (``Alternative``, decided by the text: ``Guessed``), decayed sums over such steps,
+    what prices running the draft at a step before it runs (``AutoPolicy.without_draft``).
+    Kept apart by how many tokens the n-gram's tree was expected to emit (``MARGIN_BINS``):
+    where the n-gram model knows the text (a run of indentation, a repeated name) its chain
+    often emits more than the merged tree's cut keeps of it, and where it does not the draft
+    adds most of the step's tokens; averaged together, the one hid the other."""
+
+    tokens: float = 0.0
+    seconds: float = 0.0
+    steps: float = 0.0
+    decay: float = MARGIN_DECAY
+
+    def add(self, tokens: float, seconds: float) -> None:
+        d = self.decay
+        self.tokens, self.seconds = d * self.tokens + tokens, d * self.seconds + seconds
+        self.steps = d * self.steps + 1.0
+
+    @property
+    def measured(self) -> bool:
+        return self.steps >= MIN_STEPS
+
+    def added(self) -> tuple[float, float]:
+        """The tokens and seconds running the draft added to a step, on average (measured)."""
+        return self.tokens / self.steps, self.seconds / self.steps
+
+
 def _backoff(every: int, lost: bool) -> int:
     """The wait before the next exploration: doubled while explorations keep losing."""
     return min(every * 2, EXPLORE_EVERY * MAX_BACKOFF) if lost else EXPLORE_EVERY
@@ -309,6 +353,9 @@ class Planner:
     earned: float = 0.0   # the budget they earned: each step's seconds times its share
     regret: float = 0.0   # their seconds beyond the fastest kind's for their tokens, at the time
     held: StepKind | None = None  # the kind ``fastest`` named after the last step
+    # the kinds the policy chooses among (it sets them as it plans: greedy with a draft
+    # model, the n-gram's tree is no kind of its own), what a step is compared with
+    kinds: tuple[StepKind, ...] = tuple(StepKind)
     trial: StepKind | None = None  # the kind being explored, and its steps still to run
     trial_left: int = 0
     # seconds a kind must spend catching up before its next step (``observe_catch_up``)
@@ -364,7 +411,7 @@ class Planner:
         """The share of its time ``auto`` may lose to exploring: from ``EXPLORE_FLOOR`` where
         the fastest kind is the target alone (or no faster) to ``EXPLORE_SHARE`` where it
         leads by ``FULL_SHARE_LEAD`` (before anything is measured: the most)."""
-        return self._share(self.fastest(list(StepKind)))
+        return self._share(self.fastest(self.kinds))
 
     def _share(self, best: StepKind | None) -> float:
         """``explore_share`` where ``best`` is the fastest of all kinds."""
@@ -629,7 +676,7 @@ class Planner:
         spent catching up after other kinds ran (left out of the kind's rate);
         ``alternatives``: what other kinds would have emitted there, in how many seconds."""
         self.steps += 1
-        best = self.fastest(list(StepKind))
+        best = self.fastest(self.kinds)
         exploring = best is not None and kind is not best
         if exploring:  # what it lost (or won)
             self.regret += seconds - tokens * self.best_now(best, alternatives)
@@ -672,7 +719,7 @@ class Planner:
                 lead, doubt = self.lead(best, kind)
                 lost = lead > math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
                 self.every[kind] = _backoff(self.every[kind], lost)
-        self.held = self.fastest(list(StepKind))
+        self.held = self.fastest(self.kinds)
 
     def observe_aside(self, kind: StepKind, tokens: float, seconds: float,
                       against: Sequence[tuple[StepKind, float, float]]) -> None:
@@ -735,6 +782,12 @@ class AutoPolicy:
         # loop time after the target's pass, by the kind of step: a tree's commit and
         # bookkeeping take longer than a lone token's
         self.after: dict[StepKind, Running] = {k: Running(prior=0.0) for k in StepKind}
+        # greedy: what running the draft gained over the n-gram's tree, and the draft's kind's
+        # steps in a row that left it out, after how many the next runs it anyway
+        self.margins = [Margin() for _ in range(len(MARGIN_BINS) + 1)]
+        self.bin = 0  # the margin bin of the step planned last
+        self.left_out = 0
+        self.refresh = EXPLORE_EVERY
 
     @property
     def planner(self) -> Planner:
@@ -748,14 +801,22 @@ class AutoPolicy:
         self.planned_at = len(step.committed)
         if budget is None:
             return StepPlan.alone(step.root)
-        kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
-                                                                       StepKind.ROOT]
+        if res.draft is not None and step.params.greedy:
+            # the draft's kind verifies the n-gram's tree alone where that pays more
+            # (``without_draft``): a kind of the n-gram's tree alone would only differ by
+            # being chosen for many steps at a time, by rates measured a few noisy steps at a
+            # time
+            kinds = [StepKind.DRAFT, StepKind.ROOT]
+        else:
+            kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
+                                                                           StepKind.ROOT]
         risks = {}
         if res.draft is not None:
             behind = res.draft.behind(step.committed)
             # (priced only where there is catching up: a step's draft curve is made on use)
             risks[StepKind.DRAFT] = planner.catching_up(behind) if behind > 1 else 0.0
         planner.observe_catch_up(risks)
+        planner.kinds = tuple(kinds)
         kind = planner.choose(kinds, risks)
         if kind is StepKind.ROOT:
             return self.alone(step)
@@ -781,6 +842,10 @@ class AutoPolicy:
             # what a step of the n-gram's tree alone would have verified here
             cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
                           res.calibrations.factor(Scorer.NGRAM), at_least=1)
+            left = self.without_draft(cut, t0)
+            if left is not None:
+                return StepPlan.scored_by(left, ngram, StepKind.DRAFT, Scorer.NGRAM,
+                                          alternatives=(alone,))
             guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
         drafter = res.model_drafter(step.config, staged=True)
         # sampled, the draft model decodes the root whatever the tree: its best node is
@@ -795,6 +860,48 @@ class AutoPolicy:
         plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
         return dataclasses.replace(plan, alternatives=(guesses, alone))
 
+    def without_draft(self, cut: DraftTree, t0: float) -> DraftTree | None:
+        """Greedy, a step of the draft's kind: what it verifies without running the draft, or
+        None to run it. Three steps are priced, each as its expected tokens over its seconds
+        (the planning so far, the target's pass, the loop after it, and, without the draft,
+        its catching up on the step's tokens later): the target alone (1 token); ``cut``, the
+        n-gram's tree cut to what pays (its nodes' calibrated scores); and the draft's merged
+        tree, as ``cut`` plus what running the draft added, and took, on average on steps
+        whose n-gram tree was expected to emit about as many tokens (``Margin``). The fastest
+        is taken: on text the n-gram model knows (a run of indentation, a repeated name) its
+        tree alone emits as much for less, where neither it nor the draft gains (a steep
+        curve, text neither knows) the target alone runs, and elsewhere the draft. Until its
+        margin is measured the draft runs; once it has been left out ``refresh`` steps in a
+        row it runs anyway, so that its margin stays measured on the text as it is (the wait
+        doubling while it keeps losing)."""
+        res = self.res
+        assert res.sizer is not None
+        factor = res.calibrations.factor(Scorer.NGRAM)
+        tree = cut.tree
+        tokens = 1.0 + sum(accepted_estimate(s, factor) for s in tree.scores[1:])
+        self.bin = bisect.bisect_right(MARGIN_BINS, tokens)
+        margin = self.margins[self.bin]
+        if not margin.measured:
+            return None
+        if self.left_out >= self.refresh:
+            self.left_out = 0
+            self.refresh = min(self.refresh * 2, EXPLORE_EVERY * MAX_BACKOFF)
+            return None
+        priced = res.sizer.priced
+        fixed = time.perf_counter() - t0 + self.after[StepKind.DRAFT].value
+        per_token = self.planner.catching_up(1)
+        seconds = fixed + priced(len(tree)) + tokens * per_token
+        alone = 1.0 / (fixed + priced(1) + per_token)
+        ngram = tokens / seconds
+        more_tokens, more_seconds = margin.added()
+        more = seconds + more_seconds
+        drafted = (tokens + more_tokens) / more if more > 0.0 else math.inf
+        if drafted >= max(ngram, alone):
+            self.left_out, self.refresh = 0, EXPLORE_EVERY
+            return None
+        self.left_out += 1
+        return cut if ngram >= alone else cut.best(0)
+
     def ngram_tree(self, ngram: NgramDrafter, step: StepInput) -> DraftTree:
         """The tree a step of the n-gram's kind verifies: grown as far as its nodes may pay,
         cut to what pays, at least its best node."""
@@ -807,8 +914,9 @@ class AutoPolicy:
                               at_least=1)
 
     def alone(self, step: StepInput) -> StepPlan:
-        """A step of the target alone; greedy, with the n-gram's tree beside it, what a step
-        of that kind would have verified here (``Guessed``): the n-gram's kind is then timed
+        """A step of the target alone; greedy, where the n-gram's tree is a kind to choose
+        (``Planner.kinds``), with that tree beside it, what a step of that kind would have
+        verified here (``Guessed``): the n-gram's kind is then timed
         on the same text while the target alone runs, for the price of planning it, not of
         steps that may lose (on a steep cost curve a wrong guess verified costs much of a
         pass more). Its planning may take ``ASIDE_SHARE`` of the target-alone steps' time at
@@ -818,7 +926,8 @@ class AutoPolicy:
         emitted; a sampled tree's acceptance is a draw, and the target's distributions
         along its nodes are not known."""
         plan = StepPlan.alone(step.root)
-        if not (step.params.greedy and step.budget is not None):
+        if not (step.params.greedy and step.budget is not None
+                and StepKind.GUESSES in self.planner.kinds):
             return plan
         if self.aside_wait > 0:
             self.aside_wait -= 1
@@ -950,7 +1059,8 @@ class AutoPolicy:
         # the trees are decided by the text written from here on (greedy: the target's own
         # tokens, whichever kind writes them), and timed then against what ran here
         against = ((plan.kind, tokens, max(ran - switch, 1e-9)), *now)
-        self.guessed += [Guessed(tree, kind, seconds, against) for kind, tree, seconds in trees]
+        self.guessed += [Guessed(tree, kind, seconds, against, self.bin)
+                         for kind, tree, seconds in trees]
         self.follow(written)
 
     def follow(self, written: Sequence[int]) -> None:
@@ -962,9 +1072,13 @@ class AutoPolicy:
             tokens = guessed.follow(written)
             if tokens is None:
                 pending.append(guessed)
-            else:
-                self.planner.observe_aside(guessed.kind, tokens, guessed.seconds,
-                                           guessed.against)
+                continue
+            self.planner.observe_aside(guessed.kind, tokens, guessed.seconds, guessed.against)
+            ran, ran_tokens, ran_seconds = guessed.against[0]
+            if ran is StepKind.DRAFT and guessed.kind is StepKind.GUESSES:
+                # beside a step that ran the draft: what running it gained
+                self.margins[guessed.bin].add(ran_tokens - tokens,
+                                              ran_seconds - guessed.seconds)
         self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
@@ -1028,6 +1142,7 @@ class Guessed:
     # (kind, tokens, seconds) of the step's kind as it ran, and of the target alone where it
     # was timed in its place: what the tree's step is timed against once decided
     against: tuple[tuple[StepKind, float, float], ...]
+    bin: int = 0  # beside a draft step: its n-gram tree's margin bin (``Margin``)
     node: int = 0
 
     def follow(self, tokens: Sequence[int]) -> int | None:

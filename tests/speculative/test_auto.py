@@ -6,6 +6,7 @@ from __future__ import annotations
 import dataclasses
 import itertools
 import math
+import time
 
 import numpy as np
 import pytest
@@ -22,7 +23,9 @@ from speculative.auto import (
     SWITCH_DOUBTS,
     SWITCH_MARGIN,
     TRIAL_STEPS,
+    AutoPolicy,
     Guessed,
+    Margin,
     Planner,
     catching_up,
 )
@@ -174,9 +177,12 @@ def test_auto_stops_drafting_when_the_draft_is_useless() -> None:
 
 
 def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
-    """Steps of the n-gram's tree measured faster than drafting and than the target alone: the
-    n-gram's tree runs; when the draft's steps measure faster, the draft runs. (The rates are
-    planted: the fakes' own steps take microseconds of Python.)"""
+    """Without a draft model, steps of the n-gram's tree measured faster than the target alone
+    run; with one, greedy, the n-gram's tree is no kind of its own (the draft's kind verifies
+    it alone where that pays more, step by step): the target alone, measured faster than the
+    draft's kind, runs, however fast the n-gram's steps once measured; when the draft's steps
+    measure faster, the draft runs. (The rates are planted: the fakes' own steps take
+    microseconds of Python.)"""
 
     class Planted(Planner):  # the rates stay as planted; the waits go on
         taken: list[StepKind] = []  # noqa: RUF012 (the test's record)
@@ -187,14 +193,26 @@ def test_auto_takes_the_kind_of_step_measured_fastest() -> None:
             for k in StepKind:
                 self.idle[k] = 0 if k is kind else self.idle[k] + 1
 
-    engine = _auto(FLAT, CHEAP_DRAFT)
-    planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 0.01),      # 100 tokens/s alone
-                                       (StepKind.DRAFT, 2, 0.04),     # 50 with the draft
-                                       (StepKind.GUESSES, 3, 0.02)])  # 150 with the n-gram's
+    rates = [(StepKind.ROOT, 1, 0.01),      # 100 tokens/s alone
+             (StepKind.DRAFT, 2, 0.04),     # 50 with the draft
+             (StepKind.GUESSES, 3, 0.02)]   # 150 with the n-gram's
+    ngram = KatzTrigram.build([list(np.random.default_rng(9).integers(0, V, 200))], V)
+    alone = Engine(FakeContext(TARGET), None, ngram,  # no draft model loaded
+                   SpecConfig(mode=Mode.AUTO, tree=TreeBudget(24, 8, 3)))
+    alone.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
+    planner = _plant(alone, Planted, rates)
     run = RunStats()
-    assert _generate(engine, PROMPTS[4], 12, run=run) == _plain(PROMPTS[4], 12)
+    assert _generate(alone, PROMPTS[4], 12, run=run) == _plain(PROMPTS[4], 12)
     assert set(planner.taken) == {StepKind.GUESSES}
     assert all(s.draft_calls == 0 for s in run.steps) and run.mean_drafted > 0
+
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    planner = _plant(engine, Planted, rates)
+    planner.taken.clear()
+    run = RunStats()
+    assert _generate(engine, PROMPTS[4], 12, run=run) == _plain(PROMPTS[4], 12)
+    assert set(planner.taken) == {StepKind.ROOT}
+    assert run.mean_drafted == 0
     for _ in range(40):
         Planner.observe_step(planner, StepKind.DRAFT, 8, 0.02)     # now 400 with the draft
     planner.taken.clear()
@@ -223,33 +241,127 @@ def test_a_draft_step_that_paid_for_the_draft_verifies_its_best_node() -> None:
     assert paid and all(s.drafted >= 1 for s in paid)
 
 
-def test_the_ngram_kind_verifies_its_best_node_as_the_ngram_mode_does() -> None:
-    """Where a second batch token costs more than a whole pass (a steep CPU curve) the cost
-    model prices a lone node as not paying; the n-gram's kind still verifies its best node,
-    as ``ngram`` does, and whether that pays is measured (the target alone is timed in each
-    such step's place, and is a kind of its own). The same planted planner on a flat curve
-    verifies bigger trees."""
+class _Held(Margin):
+    """A margin that stays as planted (the fakes' steps take microseconds of Python)."""
 
-    class Planted(Planner):  # the n-gram's kind stays the fastest
-        kinds: list[StepKind] = []  # noqa: RUF012 (the test's record)
+    def add(self, tokens: float, seconds: float) -> None:
+        pass
+
+
+def _margins(engine: Engine, tokens: float, seconds: float) -> AutoPolicy:
+    """``engine``'s ``auto`` policy with running the draft measured to add ``tokens`` in
+    ``seconds`` to a step, in every bin."""
+    policy = engine._policy(Mode.AUTO)
+    assert isinstance(policy, AutoPolicy)
+    policy.margins = [_Held(10 * tokens, 10 * seconds, 10.0) for _ in policy.margins]
+    return policy
+
+
+NOTHING = (0.0, 0.5)  # running the draft adds no token, and half a (fake) second
+EVERYTHING = (1e3, 0.0)  # ... a thousand tokens, for nothing
+
+
+def test_without_the_draft_a_step_verifies_the_ngram_tree_where_it_pays_else_the_root(
+        ) -> None:
+    """The draft adding nothing, each step of its kind verifies what pays most without it:
+    where a second batch token costs more than a whole pass (a steep CPU curve) the
+    n-gram's lone nodes mostly do not, and the target alone runs; on a flat curve, the
+    n-gram's trees. The output is plain decoding's either way."""
+
+    class Planted(Planner):  # the draft's kind stays the fastest
+        ran: list[StepKind] = []  # noqa: RUF012 (the test's record)
 
         def observe_step(self, kind: StepKind, tokens: int, seconds: float,
                          switch: float = 0.0, alternatives=()) -> None:
-            self.kinds.append(kind)
+            self.ran.append(kind)
 
     steeper = (1.0, 2.4, 3.2, 4.0, 7.0, 13.0)
     drafted = {}
     for name, curve in (("steeper", steeper), ("flat", FLAT)):
         engine = _auto(curve, CHEAP_DRAFT)
-        planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 0.01), (StepKind.DRAFT, 2, 0.04),
-                                           (StepKind.GUESSES, 3, 0.02)])
-        planner.kinds.clear()
+        planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 0.04), (StepKind.DRAFT, 3, 0.02)])
+        _margins(engine, *NOTHING)
+        planner.ran.clear()
         run = RunStats()
         for prompt in PROMPTS[4:8]:
             assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16), name
-        assert set(planner.kinds) == {StepKind.GUESSES}, name
-        drafted[name] = [s.drafted for s in run.steps]
-    assert 1 in drafted["steeper"] and sum(drafted["flat"]) > 2 * sum(drafted["steeper"])
+        assert set(planner.ran) == {StepKind.DRAFT}, name
+        left_out = [s.drafted for s in run.steps if s.draft_calls == 0]
+        assert len(left_out) >= len(run.steps) - 2, name  # but the draft's refreshes
+        drafted[name] = left_out
+    assert 0 in drafted["steeper"] and 0 not in drafted["flat"]
+    assert sum(drafted["flat"]) > 2 * sum(drafted["steeper"])
+
+
+def test_the_draft_runs_where_it_adds_more_than_the_ngram_tree_alone_yields() -> None:
+    """Greedy, the draft's kind held: where running the draft is measured to add tokens
+    faster than the n-gram's tree alone yields them, every step runs it; where it is measured
+    to add none, the n-gram's tree is verified alone (on a flat curve its nodes pay) at every
+    step but the draft's refreshes; the output is plain decoding's either way."""
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
+    calls = {}
+    for added in (EVERYTHING, NOTHING):
+        engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
+        engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), FLAT)
+        engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
+
+        class Planted(Planner):  # the draft's kind stays the fastest
+            def observe_step(self, kind: StepKind, tokens: int, seconds: float,
+                             switch: float = 0.0, alternatives=()) -> None:
+                assert kind is StepKind.DRAFT
+
+        _plant(engine, Planted, [(StepKind.ROOT, 1, 0.04), (StepKind.DRAFT, 3, 0.02)])
+        policy = _margins(engine, *added)
+        decide = policy.without_draft
+        ran: list[bool] = []
+
+        def record(cut: DraftTree, t0: float, decide=decide, ran=ran) -> DraftTree | None:
+            left = decide(cut, t0)
+            ran.append(left is None)
+            return left
+
+        policy.without_draft = record
+        run = RunStats()
+        for prompt in PROMPTS[10:12]:
+            assert _generate(engine, prompt, 24, run=run) == _plain(prompt, 24), added
+        calls[added] = (ran, [(s.draft_calls, s.drafted) for s in run.steps])
+    ran, _ = calls[EVERYTHING]
+    assert all(ran) and len(ran) > 4  # the draft ran at every step
+    ran, steps = calls[NOTHING]
+    assert ran.count(True) <= 2  # but for its refreshes, left out
+    left_out = [drafted for n, drafted in steps if n == 0]
+    assert sum(left_out) > 2 * len(left_out)  # the n-gram's trees, several nodes each
+
+
+def test_the_draft_left_out_runs_again_after_a_wait_that_doubles_while_it_adds_nothing(
+        ) -> None:
+    """After ``EXPLORE_EVERY`` steps in a row without the draft, the next runs it (its margin
+    is measured only on steps that run it); while it keeps adding nothing, the wait doubles,
+    up to ``MAX_BACKOFF`` times; a step that runs it for what it adds starts the wait
+    over. Each step's bin is the n-gram tree's expected tokens."""
+    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine.measure_cost()
+    policy = _margins(engine, *NOTHING)
+    tree = TokenTree.rooted(1)
+    tree.add(0, 2, 0.95, "ngram")
+    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    gaps, run = [], 0
+    for _ in range(EXPLORE_EVERY * 16):
+        if policy.without_draft(cut, t0) is not None:
+            run += 1
+        else:
+            gaps.append(run)
+            run = 0
+    assert gaps[:4] == [EXPLORE_EVERY, 2 * EXPLORE_EVERY, 4 * EXPLORE_EVERY,
+                        8 * EXPLORE_EVERY]
+    assert policy.refresh == EXPLORE_EVERY * min(16, MAX_BACKOFF)
+    assert policy.bin == 1  # one node nearly sure: about 2 tokens expected
+    policy.margins[1] = _Held(1e4, 0.0, 10.0)
+    assert policy.without_draft(cut, t0) is None
+    assert policy.refresh == EXPLORE_EVERY
+    root = policy.without_draft(DraftTree(TokenTree.rooted(1), {}), t0)
+    assert root is not None and len(root.tree) == 1
+    assert policy.bin == 0  # nothing to verify: the target's token only
 
 
 def _steep_sampled(mode: Mode) -> Engine:
@@ -917,7 +1029,6 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
     Once the target alone's steps have been timed, its counterfactual is the engine's."""
     from types import SimpleNamespace
 
-    from speculative.auto import AutoPolicy
     from speculative.plan import Alternative, StepPlan
     from speculative.policies import Outcome
 
@@ -973,8 +1084,9 @@ def test_the_target_alones_counterfactual_is_the_meters_plain_token() -> None:
     run = RunStats()
     for prompt in PROMPTS[:4]:
         assert _generate(engine, prompt, 16, run=run) == _plain(prompt, 16)
-    kinds = [kind for kind, _ in seen]
-    first_alone = kinds.index(StepKind.ROOT)
+    # the first pass over the root alone (a step of the target alone, or of the draft's kind
+    # that left the draft out and verified nothing): the loop around such a pass is timed
+    first_alone = [o.batch for _, o in seen].index(1)
     assert all(o.t_alone == 0.0 for k, o in seen[:first_alone] if o.batch > 1)
     assert all(o.t_alone > 0.0 for _, o in seen[first_alone:])
     assert any(k is StepKind.ROOT and o.batch == 1 for k, o in seen)
@@ -992,7 +1104,6 @@ def test_a_sampled_step_counts_what_its_tree_yields_on_average(greedy: bool) -> 
     draws nothing and the two are the same."""
     from types import SimpleNamespace
 
-    from speculative.auto import AutoPolicy
     from speculative.plan import StepPlan
     from speculative.policies import Outcome
 
@@ -1328,9 +1439,11 @@ def test_the_ngram_kind_timed_beside_the_target_alone_takes_over_without_being_e
 
 
 def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exact() -> None:
-    """On fake models with the target alone measured fastest, every greedy step is the
-    target alone; beside each, the n-gram's tree is planned and, once the text has decided
-    it, timed against the step; its planning is not counted in the target alone's time."""
+    """On fake models without a draft, the target alone measured fastest, every greedy step
+    is the target alone; beside each, the n-gram's tree is planned and, once the text has
+    decided it, timed against the step; its planning is not counted in the target alone's
+    time. (With a draft model, the n-gram's tree is no kind of its own, greedy: nothing to
+    time beside.)"""
 
     class Planted(Planner):  # the rates stay as planted; what is timed beside is recorded
         ran: list[float] = []  # noqa: RUF012 (the test's record)
@@ -1349,11 +1462,11 @@ def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exac
             self.asides.append((tokens, seconds, alone))
 
     corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
-    engine = _engine(Mode.AUTO, TreeBudget(24, 8, 3), corpus=corpus)
+    ngram = KatzTrigram.build(corpus, V)
+    engine = Engine(FakeContext(TARGET), None, ngram,  # the n-gram's tree: a kind to choose
+                    SpecConfig(mode=Mode.AUTO, tree=TreeBudget(24, 8, 3)))
     engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
-    engine.draft_cost = VerifyCost((1, 2, 4, 8, 16, 32), CHEAP_DRAFT)
     planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 1.0),     # a token a second
-                                       (StepKind.DRAFT, 1, 4.0),
                                        (StepKind.GUESSES, 1, 4.0)])
     planner.greedy = True
     for prompt in PROMPTS[10:12]:
@@ -1377,7 +1490,6 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     in that step's place."""
     from types import SimpleNamespace
 
-    from speculative.auto import AutoPolicy
     from speculative.plan import Alternative, StepPlan
     from speculative.policies import Outcome
 
@@ -1404,5 +1516,11 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     pair = planner.pairs[(StepKind.DRAFT, StepKind.GUESSES)]
     assert (pair.tokens, pair.alt_tokens) == (2, 4)
     assert pair.seconds == pytest.approx(0.30)
+    # what running the draft gained over the n-gram's tree: 2 tokens fewer, in the bin of
+    # the step it ran in
+    margin = policy.margins[policy.bin]
+    assert (margin.tokens, margin.steps) == (-2, 1)
+    assert margin.seconds == pytest.approx(0.30 - pair.alt_seconds)
+    assert sum(m.steps for m in policy.margins) == 1
     guesses = planner.pairs[(StepKind.GUESSES, StepKind.ROOT)]
     assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
