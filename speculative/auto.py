@@ -889,10 +889,10 @@ class AutoPolicy:
             return None
         priced = res.sizer.priced
         fixed = time.perf_counter() - t0 + self.after[StepKind.DRAFT].value
-        per_token = self.planner.catching_up(1)
-        seconds = fixed + priced(len(tree)) + tokens * per_token
+        per_token = self.planner.catching_up(1)  # left out, the draft reads them later
+        seconds = fixed + priced(len(tree))
         alone = 1.0 / (fixed + priced(1) + per_token)
-        ngram = tokens / seconds
+        ngram = tokens / (seconds + tokens * per_token)
         more_tokens, more_seconds = margin.added()
         more = seconds + more_seconds
         drafted = (tokens + more_tokens) / more if more > 0.0 else math.inf
