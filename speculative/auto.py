@@ -414,7 +414,7 @@ class Planner:
         return self._share(self.fastest(self.kinds))
 
     def _share(self, best: StepKind | None) -> float:
-        """``explore_share`` where ``best`` is the fastest of all kinds."""
+        """``explore_share`` where ``best`` is the fastest of the kinds in play (``kinds``)."""
         lead = self.speed(best) - 1.0 if best is not None else FULL_SHARE_LEAD
         return EXPLORE_FLOOR + (EXPLORE_SHARE - EXPLORE_FLOOR) * min(
             max(lead, 0.0) / FULL_SHARE_LEAD, 1.0)
