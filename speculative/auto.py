@@ -84,18 +84,22 @@ a tree is followed down the text until it leaves the tree or reaches a leaf); th
 the step's own outside planning, their planning, and this step's target pass scaled by the
 cost curve to their batch. Rates measured at different moments differ more with the text (a
 new prompt, a docstring against code) than the kinds differ from each other; paired on the
-same steps, the text's difficulty cancels (``Paired``). Greedy, where the n-gram's tree is a
-kind of its own (no draft model loaded), a step of the target alone plans the n-gram's tree
-beside it too, decided in the same way (its planning may take
-``ASIDE_SHARE`` of those steps' time, no more): once the target alone ran, the n-gram's kind
-was otherwise measured only by explorations, each a loss while the text was hard (on a steep
-curve a wrong guess verified costs much of a pass more), their waits doubling while they lost,
-and the target alone ran on for hundreds of steps where the n-gram's kind had become the
-faster. The wait before exploring a kind counts from when it was last timed against the
-fastest (``Planner.since``), not from when it last ran. A sampled step counts the tokens its
-tree yields on average over the acceptance rule's draws (``Verdict.expected``), not the ones
-it drew: by the draws alone one step emits 1 token and the next 5, and kinds a few percent
-apart are told apart only after many steps.
+same steps, the text's difficulty cancels (``Paired``). Where the n-gram's tree is a kind of
+its own (sampled, or greedy without a draft model), a step of another kind plans the n-gram's
+tree beside it (``AutoPolicy.aside``; its planning may take ``ASIDE_SHARE`` of a target-alone
+step's time, no more): greedy, decided by the text as above; sampled, priced by the step's own
+target pass (its distributions where the step's tree shares the n-gram tree's paths, the
+root's children always: ``verify.verify_sampling``'s ``beside``). Once the target alone ran,
+the n-gram's kind was otherwise measured only by explorations, each a loss while the text was
+hard (on a steep curve a wrong guess verified costs much of a pass more), their waits doubling
+while they lost, and the target alone ran on for hundreds of steps where the n-gram's kind had
+become the faster; sampled, beside the draft's kind, explorations a few noisy steps long
+never told the two apart surely, and the n-gram's kind was explored every ``EXPLORE_EVERY``
+steps at a loss. The wait before exploring a kind counts from when it was last timed against
+the fastest (``Planner.since``), not from when it last ran. A sampled step counts the tokens
+its tree yields on average over the acceptance rule's draws (``Verdict.expected``), not the
+ones it drew: by the draws alone one step emits 1 token and the next 5, and kinds a few
+percent apart are told apart only after many steps.
 
 What was measured carries over: from one sampling to the other and back (sampled trees accept
 far less than greedy ones, so each sampling has its own measurements), and, through
@@ -835,7 +839,7 @@ class AutoPolicy:
         # batches pay against the whole step's drafting time, the n-gram's included)
         floor = res.floor(Scorer.DRAFT, step.params)  # sampled trees only
         expand = res.expander(budget, staged=True, floor=floor)
-        guesses = None
+        guesses: Alternative | None
         if step.params.greedy:
             ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
                                    res.worth_growing(), step.penalties)
@@ -847,15 +851,19 @@ class AutoPolicy:
                 return StepPlan.scored_by(left, ngram, StepKind.DRAFT, Scorer.NGRAM,
                                           alternatives=(alone,))
             guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
+        else:  # sampled: the n-gram's own tree beside, priced by this step's pass
+            guesses, t_aside = self.aside(step)
         drafter = res.model_drafter(step.config, staged=True)
         # sampled, the draft model decodes the root whatever the tree: its best node is
         # verified, as in the fixed modes (a step that paid for the draft and verified
         # nothing gets nothing for it)
         draft = grow(drafter, step, expand, floor, at_least=1)
-        if guesses is None:  # sampled: a node's children must all come from one q
+        if not step.params.greedy:  # a node's children must all come from one q
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
-            return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
-                                      alternatives=(alone,))
+            beside = (alone,) if guesses is None else (guesses, alone)
+            return dataclasses.replace(
+                StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
+                                   alternatives=beside), t_aside=t_aside)
         draft, chain = self.add_guesses(draft, step)
         plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
         return dataclasses.replace(plan, alternatives=(guesses, alone))
@@ -914,37 +922,46 @@ class AutoPolicy:
                               at_least=1)
 
     def alone(self, step: StepInput) -> StepPlan:
-        """A step of the target alone; greedy, where the n-gram's tree is a kind to choose
-        (``Planner.kinds``), with that tree beside it, what a step of that kind would have
-        verified here (``Guessed``): the n-gram's kind is then timed
-        on the same text while the target alone runs, for the price of planning it, not of
-        steps that may lose (on a steep cost curve a wrong guess verified costs much of a
-        pass more). Its planning may take ``ASIDE_SHARE`` of the target-alone steps' time at
-        most: where it takes more, only one step in as many plans it.
-
-        Greedy only: the text written next decides exactly what the tree would have
-        emitted; a sampled tree's acceptance is a draw, and the target's distributions
-        along its nodes are not known."""
+        """A step of the target alone, with the n-gram's tree beside it where that is a kind
+        to choose (``Planner.kinds``; ``aside``)."""
         plan = StepPlan.alone(step.root)
-        if not (step.params.greedy and step.budget is not None
-                and StepKind.GUESSES in self.planner.kinds):
-            return plan
+        guesses, t_aside = self.aside(step)
+        if guesses is None:
+            return dataclasses.replace(plan, t_aside=t_aside) if t_aside else plan
+        return dataclasses.replace(plan, t_aside=t_aside, alternatives=(guesses,))
+
+    def aside(self, step: StepInput) -> tuple[Alternative | None, float]:
+        """The tree a step of the n-gram's kind would have verified here, planned beside a
+        step of another kind (where the n-gram's tree is a kind to choose,
+        ``Planner.kinds``), and the seconds its planning took: the n-gram's kind is then
+        timed on the same text while another kind runs, for the price of planning it, not
+        of steps that may lose (on a steep cost curve a wrong guess verified costs much of
+        a pass more). Greedy, the text written next decides exactly what it would have
+        emitted (``Guessed``); sampled, the step's own target pass prices it from the
+        target's distributions (``Alternative.q``: exactly along the paths the step
+        verifies, the root's children always; below the others by the n-gram's acceptance
+        map), and its draws are made apart from the step's own tree, which stays as it
+        would have been (nothing chooses between the two). Its planning may take
+        ``ASIDE_SHARE`` of a target-alone step's time at most: where it takes more, only one
+        step in as many plans it."""
+        if step.budget is None or StepKind.GUESSES not in self.planner.kinds:
+            return None, 0.0
         if self.aside_wait > 0:
             self.aside_wait -= 1
-            return plan
+            return None, 0.0
         t0 = time.perf_counter()
         self.res.feed_ngram(step.committed)
-        tree = self.ngram_tree(self.res.ngram_drafter(step.params, step.budget), step).tree
+        draft = self.ngram_tree(self.res.ngram_drafter(step.params, step.budget), step)
         t1 = time.perf_counter()
         share = (t1 - t0) / (ASIDE_SHARE * self.planner.plain_seconds())
         self.aside_wait = max(math.ceil(share), 1) - 1
-        if len(tree) < 2:
-            return plan
+        if len(draft.tree) < 2:
+            return None, t1 - t0
         # its planning counts from the step's start, as beside a drafted step (the step's
         # setup is the alternative's too)
         begun = t0 if step.t0 is None else step.t0
-        return dataclasses.replace(plan, t_aside=t1 - t0, alternatives=(
-            Alternative(StepKind.GUESSES, tree, t1 - begun),))
+        q = None if step.params.greedy else draft.q
+        return Alternative(StepKind.GUESSES, draft.tree, t1 - begun, q), t1 - t0
 
     def add_guesses(self, draft: DraftTree, step: StepInput
                     ) -> tuple[DraftTree, tuple[Path, Path] | None]:
@@ -1050,9 +1067,9 @@ class AutoPolicy:
                   else outcome.expected)
         ran = outcome.seconds - plan.t_aside  # the step as its kind takes it
         now, trees = [], []
-        for kind, tree, seconds in self.counterfactuals(plan, outcome):
-            if len(tree) == 1:  # the target alone: its token, whatever it is
-                now.append((kind, 1.0, seconds))
+        for kind, tree, seconds, known in self.counterfactuals(plan, outcome):
+            if known is not None:
+                now.append((kind, known, seconds))
             else:
                 trees.append((kind, tree, seconds))
         planner.observe_step(plan.kind, tokens, ran, switch, now)
@@ -1082,7 +1099,7 @@ class AutoPolicy:
         self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
-                        ) -> list[tuple[StepKind, TokenTree, float]]:
+                        ) -> list[tuple[StepKind, TokenTree, float, float | None]]:
         """What each of the plan's alternatives would have verified in this step, and in how
         many seconds: the step's own time outside planning and the target's pass, the
         alternative's planning, and the target's pass over the alternative's batch at this
@@ -1097,16 +1114,22 @@ class AutoPolicy:
         counted in, the target alone read slow beside the drafted kinds where a pass costs
         little more than the loop, and they ran where it was faster), or before any such
         step, this step's time outside planning and its pass, its planning, and the
-        estimated pass. Sampled, a tree's acceptance is a draw, not known from the text:
-        only the target alone is timed there."""
+        estimated pass. With each, the tokens it would have added where this step tells
+        them: the target alone 1; a sampled tree what the step's pass priced
+        (``Outcome.beside``: a sampled tree's acceptance is a draw, not known from the text,
+        and one not priced is not timed); None for a greedy tree (decided by the text
+        written next: ``Guessed``)."""
         if outcome.batch < 1 or not plan.alternatives:
             return []
         target = self.planner.sizer.target
         curve = target.curve
         rest = max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0)
+        priced = outcome.beside or (None,) * len(plan.alternatives)
         out = []
-        for alt in plan.alternatives:
-            if alt.kind is not StepKind.ROOT and not self.planner.greedy:
+        for alt, tokens in zip(plan.alternatives, priced, strict=True):
+            if len(alt.tree) == 1:
+                tokens = 1.0  # the target alone: its token, whatever it is
+            elif tokens is None and not self.planner.greedy:
                 continue
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
             if plan.kind is StepKind.ROOT:
@@ -1122,7 +1145,7 @@ class AutoPolicy:
             else:
                 seconds = rest + alt.t_plan + (
                     outcome.t_verify * curve(batch) / curve(outcome.batch))
-            out.append((alt.kind, alt.tree, seconds))
+            out.append((alt.kind, alt.tree, seconds, tokens))
         return out
 
 

@@ -44,6 +44,7 @@ from .protocols import Context
 from .sampling import SamplingParams
 from .sizing import Sizer
 from .stats import ORIGINS, RunStats, StepStats
+from .tree import TokenTree
 from .verify import Verdict, verify_greedy, verify_sampling
 
 log = logging.getLogger(__name__)
@@ -313,8 +314,9 @@ class Engine:
         try:
             plan = policy.plan(step)
             t1 = time.perf_counter()
+            beside = [(alt.tree, alt.q) for alt in plan.alternatives if alt.q is not None]
             verdict, slots, in_place = self._verify(committed, plan.tree, params, rng,
-                                                    penalties)
+                                                    penalties, beside)
         except BaseException:
             self._rollback()
             raise
@@ -352,7 +354,8 @@ class Engine:
         alone = plain if batch == 1 or self._overhead.weight > 0 else 0.0
         policy.observe(plan, Outcome(verdict.accepted, accepted, stats.emitted, t3 - t0,
                                      t1 - t0, t2 - t1, batch, verdict.next_token, single,
-                                     alone, verdict.expected + 1))
+                                     alone, verdict.expected + 1,
+                                     _beside_tokens(plan, verdict)))
         tree = plan.tree.tree
         origins = [tree.origins[n] for n in verdict.accepted] + ["target"]
         return [*accepted, verdict.next_token], origins, stats
@@ -387,9 +390,11 @@ class Engine:
         return single + self._overhead.value  # (its prior, 0, before any such step)
 
     def _verify(self, committed: list[int], draft: DraftTree, params: SamplingParams,
-                rng: np.random.Generator, penalties: StepPenalties | None
+                rng: np.random.Generator, penalties: StepPenalties | None,
+                beside: Sequence[tuple[TokenTree, Mapping[int, np.ndarray]]] = ()
                 ) -> tuple[Verdict, list[Slot], int]:
-        """One target pass over the pending tokens and the tree; the acceptance rule. Returns
+        """One target pass over the pending tokens and the tree; the acceptance rule (sampled:
+        with the trees ``beside`` priced from the same pass, ``verify_sampling``). Returns
         the verdict, the nodes' slots (by node id) and how many of the accepted nodes sit in
         the batch's rows right after the root, in order (in consecutive cells)."""
         tree = draft.tree
@@ -418,7 +423,7 @@ class Engine:
         if params.greedy:
             verdict = verify_greedy(tree, logits, penalties)
         else:
-            verdict = verify_sampling(tree, logits, draft.q, params, rng, penalties)
+            verdict = verify_sampling(tree, logits, draft.q, params, rng, penalties, beside)
         in_place = 0
         while in_place < len(verdict.accepted) and at[verdict.accepted[in_place]] == in_place + 1:
             in_place += 1
@@ -452,6 +457,17 @@ class Engine:
     def _fit(self, config: SpecConfig, committed: list[int]) -> TreeBudget | None:
         """The tree budget that fits the window after ``committed`` (``fit_budget``)."""
         return fit_budget(config.budget(), self._n_ctx(config) - len(committed))
+
+
+def _beside_tokens(plan: StepPlan, verdict: Verdict) -> tuple[float | None, ...]:
+    """What each of the plan's alternatives would have added on average (the target's next
+    token included), where the verdict priced it (``Alternative.q``); None elsewhere."""
+    priced = iter(verdict.beside)
+    out: list[float | None] = []
+    for alt in plan.alternatives:
+        expected = next(priced, None) if alt.q is not None else None
+        out.append(None if expected is None else expected + 1)
+    return tuple(out)
 
 
 def _truncate(tokens: list[int], stop: Collection[int], limit: int) -> tuple[list[int], str | None]:

@@ -14,6 +14,8 @@ import enum
 from collections.abc import Mapping, Sequence
 from typing import Any
 
+import numpy as np
+
 from .costmodel import Acceptance, Calibration, Running
 from .drafting import DraftCounters, Drafter, DraftTree
 from .tree import TokenTree
@@ -46,6 +48,10 @@ class Alternative:
     kind: StepKind
     tree: TokenTree   # a lone root for the target alone
     t_plan: float = 0.0
+    # a sampled tree's draft distributions (its nodes' children were drawn from them, as
+    # ``DraftTree.q``): the engine prices what it would have yielded from the target's pass
+    # over the step's own tree (``verify.verify_sampling``'s ``beside``); None: not priced
+    q: Mapping[int, np.ndarray] | None = None
 
 
 @dataclasses.dataclass(frozen=True, slots=True)

@@ -129,6 +129,10 @@ class Outcome:
     # target's distributions over it (``Verdict.expected`` + 1); greedy, ``emitted``; None:
     # not known (counted as ``emitted``)
     expected: float | None = None
+    # sampled: what each of the plan's alternatives would have added, likewise on average
+    # (priced from this pass where it has a ``q``: ``Alternative``), in their order; None
+    # where not priced
+    beside: tuple[float | None, ...] = ()
 
 
 def fit_budget(budget: TreeBudget | None, room: int) -> TreeBudget | None:

@@ -28,7 +28,7 @@ how often the target accepts a drafter's nodes, are learned from fewer steps
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Callable
+from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
@@ -46,6 +46,9 @@ class Verdict:
     # sampled: each node's chance of being reached by the rule (the root's 1), by node id;
     # greedy: empty (a node is reached or not)
     reached: tuple[float, ...] = ()
+    # sampled: the expected accepted length of each tree verified beside this one in thought
+    # (``verify_sampling``'s ``beside``), in its order
+    beside: tuple[float, ...] = ()
 
     @property
     def expected(self) -> float:
@@ -86,23 +89,35 @@ def verify_greedy(tree: TokenTree, logits: np.ndarray,
 
 def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray],
                     params: SamplingParams, rng: np.random.Generator,
-                    penalties: StepPenalties | None = None) -> Verdict:
+                    penalties: StepPenalties | None = None,
+                    beside: Sequence[tuple[TokenTree, Mapping[int, np.ndarray]]] = ()
+                    ) -> Verdict:
     """``q[u]`` is the draft distribution u's children were drawn from (see ``grow_tree``).
     The verdict's ``reached`` gives every node's chance of being reached under the rule,
     given the tree as drawn and the target's distributions over it (``_reached``), and
     ``expected`` their sum: the accepted path's length averaged over the rule's own
-    draws."""
+    draws. ``beside``: other sampled trees (each with its q) drawn for the same root and not
+    verified; the verdict's ``beside`` gives each one's expected accepted length as this
+    pass can tell it (``_beside``)."""
     found: dict[int, tuple[list[tuple[int, float]], np.ndarray, bool]] = {}
+    dists: dict[int, tuple[np.ndarray, bool]] = {}
+
+    def dist(u: int) -> tuple[np.ndarray, bool]:
+        # the target's distribution after u; whether the penalties changed its most likely
+        # token there
+        if u not in dists:
+            row, moved = _row(tree, logits, u, penalties)
+            dists[u] = (distribution(row, params), moved)
+        return dists[u]
 
     def tries(u: int) -> tuple[list[tuple[int, float]], np.ndarray, bool]:
         # u's children in the order they are tried, each with its chance of acceptance once
         # the ones before it were rejected; the residual after all; whether the penalties
         # changed the target's most likely token at u
         if u not in found:
-            row, moved = _row(tree, logits, u, penalties)
+            p, moved = dist(u)
             kids = tree.children[u]
-            found[u] = (*_tries(tree, kids, distribution(row, params),
-                                q[u] if kids else None), moved)
+            found[u] = (*_tries(tree, kids, p, q[u] if kids else None), moved)
         return found[u]
 
     path: list[int] = []
@@ -117,7 +132,8 @@ def verify_sampling(tree: TokenTree, logits: np.ndarray, q: dict[int, np.ndarray
             continue
         offered = len(path) + (1 if tree.children[u] else 0)
         return Verdict(path, sample(residual, rng), offered, changed,
-                       tuple(_reached(tree, tries)))
+                       tuple(_reached(tree, tries)),
+                       tuple(_beside(tree, lambda v: dist(v)[0], *other) for other in beside))
 
 
 def _tries(tree: TokenTree, kids: list[int], p: np.ndarray, q: np.ndarray | None
@@ -165,3 +181,43 @@ def _reached(tree: TokenTree, tries: Callable[[int], tuple[list[tuple[int, float
             if reach[child] > 0.0:
                 todo.append(child)
     return reach
+
+
+def _beside(tree: TokenTree, dist: Callable[[int], np.ndarray], other: TokenTree,
+            other_q: Mapping[int, np.ndarray]) -> float:
+    """The expected accepted length of ``other``, a sampled tree drawn for the same root as
+    ``tree`` (``other_q`` the distributions its children were drawn from), had it been
+    verified instead: each node's chance of being reached under the rule (``_reached``),
+    from the target's distribution ``dist(v)`` after the node ``v`` of ``tree`` with the
+    same path. This pass has the target's distribution only where ``tree`` has the path (the
+    root always); below a node of ``other`` it does not have, the children's chances are
+    estimated by ``other``'s own scores (its drafter's acceptance map, as sizing estimates
+    them: a child's score over its parent's), their sum at most the parent's chance.
+    Exact where ``other``'s paths are ``tree``'s; the target's own rows are those of the same
+    text, so a tree compared with this one on the same step needs no draws of its own."""
+    same: dict[int, int] = {0: 0}  # a node of other -> the node of tree with its path
+    reach = [0.0] * len(other)
+    reach[0] = 1.0
+    for u in range(len(other)):  # parents before children (``TokenTree.add``)
+        kids = other.children[u]
+        if not kids or reach[u] <= 0.0:
+            continue
+        v = same.get(u)
+        if v is not None:
+            rest = reach[u]
+            for child, accept in _tries(other, kids, dist(v), other_q.get(u))[0]:
+                reach[child] = rest * accept
+                rest -= reach[child]
+            for child in kids:
+                w = tree.child_with_token(v, other.tokens[child])
+                if w is not None:
+                    same[child] = w
+            continue
+        parent = other.scores[u]
+        if parent <= 0.0:
+            continue
+        rest = reach[u]
+        for child in kids:
+            reach[child] = min(reach[u] * other.scores[child] / parent, rest)
+            rest -= reach[child]
+    return sum(reach[1:])

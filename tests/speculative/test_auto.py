@@ -1047,8 +1047,10 @@ def test_the_target_alone_is_timed_in_a_drafted_steps_place_by_the_engines_singl
     outcome = Outcome([a], (1,), 2, seconds=0.30, t_plan=0.08, t_verify=0.20, batch=4,
                       next_token=5, t_single=0.18)
     rest, curve = 0.02, planner.sizer.target.curve
-    (gu, gu_tree, gu_s), (root, root_tree, root_s) = policy.counterfactuals(plan, outcome)
+    (gu, gu_tree, gu_s, gu_tokens), (root, root_tree, root_s, root_tokens) = (
+        policy.counterfactuals(plan, outcome))
     assert (gu, gu_tree, root, len(root_tree)) == (StepKind.GUESSES, guesses, StepKind.ROOT, 1)
+    assert (gu_tokens, root_tokens) == (None, 1.0)  # the text decides the tree, later
     assert gu_s == pytest.approx(rest + 0.01 + 0.20 * curve(2) / curve(4))
     assert root_s == pytest.approx(rest + 0.18)
     assert root_s > rest + 0.20 * curve(1) / curve(4)  # what the curve alone says
@@ -1524,3 +1526,49 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     assert sum(m.steps for m in policy.margins) == 1
     guesses = planner.pairs[(StepKind.GUESSES, StepKind.ROOT)]
     assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
+
+
+def test_sampled_draft_steps_time_the_ngram_tree_beside_them_from_their_own_pass() -> None:
+    """Sampled, a tree's acceptance is a draw that the text does not decide; a step of the
+    draft's kind plans the n-gram's tree beside its own, and the engine prices it from the
+    step's target pass (``Outcome.beside``): the n-gram's kind is timed against the draft's
+    on the same steps, without running it, and its planning is not the draft's kind's
+    time."""
+
+    class Planted(Planner):  # the draft's kind stays the fastest; what is timed is recorded
+        seen: list[tuple[StepKind, float, list]] = []  # noqa: RUF012 (the test's record)
+
+        def observe_step(self, kind: StepKind, tokens: float, seconds: float,
+                         switch: float = 0.0, alternatives=()) -> None:
+            self.seen.append((kind, seconds, list(alternatives)))
+
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 1.0),  # a token a second
+                                       (StepKind.GUESSES, 1, 4.0), (StepKind.DRAFT, 3, 1.0)])
+    planner.greedy = False
+    planner.held = StepKind.DRAFT
+    params = SamplingParams(temperature=1.0, seed=3)
+    plans = []
+    policy = engine._policy(Mode.AUTO)
+    plan_step = policy.plan
+
+    def spy(step):
+        plans.append(plan_step(step))
+        return plans[-1]
+
+    policy.plan = spy
+    for prompt in PROMPTS[:4]:
+        list(engine.generate(prompt, 16, params))
+    assert {kind for kind, _, _ in planner.seen} == {StepKind.DRAFT}
+    priced = 0
+    for plan, (_, _, alternatives) in zip(plans, planner.seen, strict=True):
+        kinds = [kind for kind, _, _ in alternatives]
+        assert kinds[-1] is StepKind.ROOT and alternatives[-1][1] == 1.0
+        if kinds[0] is StepKind.GUESSES:  # its tree drawn with the n-gram's distributions
+            [guesses] = [a for a in plan.alternatives if a.kind is StepKind.GUESSES]
+            assert guesses.q is not None and 0.0 < plan.t_aside < guesses.t_plan
+            tokens = alternatives[0][1]
+            assert 1.0 <= tokens <= 1.0 + guesses.tree.max_depth
+            assert alternatives[0][2] > 0.0
+            priced += 1
+    assert priced >= len(plans) // 2

@@ -369,3 +369,66 @@ def test_a_verdicts_expected_length_is_the_mean_of_the_rules_draws(params) -> No
     (mean,) = expected
     assert 0.2 < mean < tree.max_depth - 0.2  # the rule stops early and goes deep, by turns
     assert np.mean(lengths) == pytest.approx(mean, abs=4 * np.std(lengths) / np.sqrt(20_000))
+
+
+@pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
+                                    SamplingParams(temperature=0.8, top_k=5,
+                                                   repeat_penalty=1.3, presence_penalty=0.4)],
+                         ids=["plain", "top-k, penalties"])
+def test_a_tree_priced_beside_the_verified_one_is_priced_as_its_own_verdict_would(params
+                                                                                  ) -> None:
+    """A sampled tree drawn for the same root by another drafter, not verified, is priced from
+    the verified tree's pass: each node's chance of being reached is what its own verdict
+    would give wherever the verified tree has its parent's path (the target's distribution
+    there is in the pass), and below a parent the verified tree lacks, the parent's chance
+    times the node's score over the parent's (its drafter's estimate)."""
+    penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
+
+    def penalties():  # fresh each time: the rule penalises a pass's rows in place
+        return penalizer.step(PROMPT) if penalizer is not None else None
+
+    def rows(tree):
+        return np.array([table_logits(TARGET, [*PROMPT, *tree.path(i)])
+                         for i in range(len(tree))])
+
+    verified = grow_tree(TableDrafter(noisy(TARGET, seed=7, noise=1.0).astype(np.float32)),
+                         PROMPT, TreeBudget(6, 3, 2), params, np.random.default_rng(1),
+                         penalties=penalties())
+    other = grow_tree(TableDrafter(noisy(TARGET, seed=3, noise=2.0).astype(np.float32)),
+                      PROMPT, TreeBudget(12, 4, 3), params, np.random.default_rng(2),
+                      penalties=penalties())
+    tree, alt = verified.tree, other.tree
+    verdict = verify_sampling(tree, rows(tree), verified.q, params, np.random.default_rng(0),
+                              penalties(), [(alt, other.q)])
+    own = verify_sampling(alt, rows(alt), other.q, params, np.random.default_rng(0),
+                          penalties()).reached
+    paths = {tree.path(v) for v in range(len(tree))}
+    known = [u for u in range(1, len(alt)) if alt.path(alt.parents[u]) in paths]
+    assert known and len(known) < len(alt) - 1  # both cases are weighed
+    reach = [1.0] + [0.0] * (len(alt) - 1)
+    shared = paths_nodes(alt, paths)
+    for u in range(len(alt)):
+        kids = alt.children[u]
+        if u in shared and kids:
+            for c in kids:  # the own verdict's odds below u, from u's chance here
+                reach[c] = reach[u] * own[c] / own[u] if own[u] > 0 else 0.0
+        elif kids and alt.scores[u] > 0:
+            rest = reach[u]
+            for c in kids:
+                reach[c] = min(reach[u] * alt.scores[c] / alt.scores[u], rest)
+                rest -= reach[c]
+    assert verdict.beside == (pytest.approx(sum(reach[1:]), rel=1e-6),)
+    # the verified tree's own verdict is as without the tree beside it
+    alone = verify_sampling(tree, rows(tree), verified.q, params, np.random.default_rng(0),
+                            penalties())
+    assert (alone.accepted, alone.next_token, alone.reached) == (
+        verdict.accepted, verdict.next_token, verdict.reached)
+    # a tree priced beside itself is priced as its own verdict
+    itself = verify_sampling(alt, rows(alt), other.q, params, np.random.default_rng(0),
+                             penalties(), [(alt, other.q)])
+    assert itself.beside == (pytest.approx(itself.expected, rel=1e-9),)
+
+
+def paths_nodes(tree, paths) -> set[int]:
+    """The nodes of ``tree`` whose path is one of ``paths``."""
+    return {u for u in range(len(tree)) if tree.path(u) in paths}
