@@ -362,6 +362,14 @@ class Planner:
     kinds: tuple[StepKind, ...] = tuple(StepKind)
     trial: StepKind | None = None  # the kind being explored, and its steps still to run
     trial_left: int = 0
+    # greedy with a draft model: what running the draft gained over the n-gram's tree, by how
+    # many tokens that tree was expected to emit (``Margin``; ``AutoPolicy.without_draft``)
+    margins: list[Margin] = dataclasses.field(
+        default_factory=lambda: [Margin() for _ in range(len(MARGIN_BINS) + 1)])
+    # the loop's time after the target's pass, by the kind of step: a tree's commit and
+    # bookkeeping take longer than a lone token's
+    after: dict[StepKind, Running] = dataclasses.field(
+        default_factory=lambda: {k: Running(prior=0.0) for k in StepKind})
     # seconds a kind must spend catching up before its next step (``observe_catch_up``)
     catch_up: dict[StepKind, float] = dataclasses.field(default_factory=dict)
     # the draft's measured catching up, seconds per token skipped (``observe_caught_up``)
@@ -783,12 +791,8 @@ class AutoPolicy:
         self.text_at: tuple[int, int] | None = None  # (length, last token) observed last
         self.planned_at = 0  # the text's length at the last step planned
         self.aside_wait = 0  # target-alone steps until the next plans the n-gram's tree
-        # loop time after the target's pass, by the kind of step: a tree's commit and
-        # bookkeeping take longer than a lone token's
-        self.after: dict[StepKind, Running] = {k: Running(prior=0.0) for k in StepKind}
-        # greedy: what running the draft gained over the n-gram's tree, and the draft's kind's
-        # steps in a row that left it out, after how many the next runs it anyway
-        self.margins = [Margin() for _ in range(len(MARGIN_BINS) + 1)]
+        # greedy: the draft's kind's steps in a row that left the draft out, after how many
+        # the next runs it anyway (what running it gains: ``Planner.margins``)
         self.bin = 0  # the margin bin of the step planned last
         self.left_out = 0
         self.refresh = EXPLORE_EVERY
@@ -888,7 +892,7 @@ class AutoPolicy:
         tree = cut.tree
         tokens = 1.0 + sum(accepted_estimate(s, factor) for s in tree.scores[1:])
         self.bin = bisect.bisect_right(MARGIN_BINS, tokens)
-        margin = self.margins[self.bin]
+        margin = self.planner.margins[self.bin]
         if not margin.measured:
             return None
         if self.left_out >= self.refresh:
@@ -896,7 +900,7 @@ class AutoPolicy:
             self.refresh = min(self.refresh * 2, EXPLORE_EVERY * MAX_BACKOFF)
             return None
         priced = res.sizer.priced
-        fixed = time.perf_counter() - t0 + self.after[StepKind.DRAFT].value
+        fixed = time.perf_counter() - t0 + self.planner.after[StepKind.DRAFT].value
         per_token = self.planner.catching_up(1)  # left out, the draft reads them later
         seconds = fixed + priced(len(tree))
         alone = 1.0 / (fixed + priced(1) + per_token)
@@ -1047,7 +1051,8 @@ class AutoPolicy:
         planner = self.planner
         written = (*outcome.accepted, outcome.next_token)
         self.text_at = (self.planned_at + len(written), written[-1])
-        self.after[plan.kind].add(max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0))
+        planner.after[plan.kind].add(
+            max(outcome.seconds - outcome.t_plan - outcome.t_verify, 0.0))
         if plan.guesses is not None:
             path, guess = plan.guesses
             if outcome.accepted[:len(path)] == path:  # the target reached the chain's start
@@ -1094,7 +1099,7 @@ class AutoPolicy:
             ran, ran_tokens, ran_seconds = guessed.against[0]
             if ran is StepKind.DRAFT and guessed.kind is StepKind.GUESSES:
                 # beside a step that ran the draft: what running it gained
-                self.margins[guessed.bin].add(ran_tokens - tokens,
+                self.planner.margins[guessed.bin].add(ran_tokens - tokens,
                                               ran_seconds - guessed.seconds)
         self.guessed = pending
 
@@ -1133,9 +1138,9 @@ class AutoPolicy:
                 continue
             batch = outcome.batch - len(plan.tree.tree) + len(alt.tree)
             if plan.kind is StepKind.ROOT:
-                after = self.after[StepKind.GUESSES]
-                extra = (max(after.value - self.after[StepKind.ROOT].value, 0.0)
-                         if after.weight > 0 else 0.0)
+                after = self.planner.after
+                extra = (max(after[StepKind.GUESSES].value - after[StepKind.ROOT].value, 0.0)
+                         if after[StepKind.GUESSES].weight > 0 else 0.0)
                 seconds = rest + alt.t_plan + extra + (
                     outcome.t_verify * target(batch) / curve(outcome.batch))
             elif batch == 1 and outcome.t_alone > 0:

@@ -253,7 +253,8 @@ def _margins(engine: Engine, tokens: float, seconds: float) -> AutoPolicy:
     ``seconds`` to a step, in every bin."""
     policy = engine._policy(Mode.AUTO)
     assert isinstance(policy, AutoPolicy)
-    policy.margins = [_Held(10 * tokens, 10 * seconds, 10.0) for _ in policy.margins]
+    margins = policy.planner.margins
+    margins[:] = [_Held(10 * tokens, 10 * seconds, 10.0) for _ in margins]
     return policy
 
 
@@ -356,7 +357,7 @@ def test_the_draft_left_out_runs_again_after_a_wait_that_doubles_while_it_adds_n
                         8 * EXPLORE_EVERY]
     assert policy.refresh == EXPLORE_EVERY * min(16, MAX_BACKOFF)
     assert policy.bin == 1  # one node nearly sure: about 2 tokens expected
-    policy.margins[1] = _Held(1e4, 0.0, 10.0)
+    policy.planner.margins[1] = _Held(1e4, 0.0, 10.0)
     assert policy.without_draft(cut, t0) is None
     assert policy.refresh == EXPLORE_EVERY
     root = policy.without_draft(DraftTree(TokenTree.rooted(1), {}), t0)
@@ -576,12 +577,14 @@ def test_auto_without_a_draft_model_uses_the_ngram_model() -> None:
 
 def test_a_new_engine_carries_on_from_what_another_learned() -> None:
     """The bench makes an engine per reply and hands on ``Learned``, as the app keeps its
-    engine: the planner (rates, budget) and the calibrations continue, and output stays exact."""
+    engine: the planner (rates, budget, what running the draft gains over the n-gram's tree)
+    and the calibrations continue, and output stays exact."""
     first = _auto(STEEP, CHEAP_DRAFT)
     for prompt in PROMPTS[:3]:
         _generate(first, prompt, 24)
     learned = first.learned()
     assert learned.planner is not None and learned.planner.elapsed > 0
+    assert sum(m.steps for m in learned.planner.margins) > 0  # measured beside draft steps
     second = _auto(STEEP, CHEAP_DRAFT)
     second.adopt(learned)
     assert second.planner is learned.planner
@@ -589,6 +592,8 @@ def test_a_new_engine_carries_on_from_what_another_learned() -> None:
     elapsed = learned.planner.elapsed
     assert _generate(second, PROMPTS[3], 24) == _plain(PROMPTS[3], 24)
     assert second.planner.elapsed > elapsed  # the same planner went on measuring
+    policy = second._policy(Mode.AUTO)
+    assert isinstance(policy, AutoPolicy) and policy.planner.margins is learned.planner.margins
 
 
 def _planner() -> Planner:
@@ -1520,10 +1525,10 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     assert pair.seconds == pytest.approx(0.30)
     # what running the draft gained over the n-gram's tree: 2 tokens fewer, in the bin of
     # the step it ran in
-    margin = policy.margins[policy.bin]
+    margin = policy.planner.margins[policy.bin]
     assert (margin.tokens, margin.steps) == (-2, 1)
     assert margin.seconds == pytest.approx(0.30 - pair.alt_seconds)
-    assert sum(m.steps for m in policy.margins) == 1
+    assert sum(m.steps for m in policy.planner.margins) == 1
     guesses = planner.pairs[(StepKind.GUESSES, StepKind.ROOT)]
     assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
 
