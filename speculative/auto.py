@@ -336,7 +336,9 @@ def _sampling(greedy: bool) -> str:
 @dataclasses.dataclass(slots=True)
 class Planner:
     """What ``auto`` has measured of its steps: each kind's rate, when to explore each, the
-    regret budget, and how far the target follows the n-gram's guesses. Sizing uses
+    regret budget, how far the target follows the n-gram's guesses, what running the draft
+    gains over the n-gram's tree, and the loop's time after a pass. An engine hands it on
+    (``Engine.learned``), so it outlives the policy that measured it. Sizing uses
     ``sizer``."""
 
     sizer: Sizer
@@ -1100,7 +1102,7 @@ class AutoPolicy:
             if ran is StepKind.DRAFT and guessed.kind is StepKind.GUESSES:
                 # beside a step that ran the draft: what running it gained
                 self.planner.margins[guessed.bin].add(ran_tokens - tokens,
-                                              ran_seconds - guessed.seconds)
+                                                      ran_seconds - guessed.seconds)
         self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
