@@ -196,28 +196,25 @@ def _beside(tree: TokenTree, dist: Callable[[int], np.ndarray], other: TokenTree
     Exact where ``other``'s paths are ``tree``'s; the target's own rows are those of the same
     text, so a tree compared with this one on the same step needs no draws of its own."""
     same: dict[int, int] = {0: 0}  # a node of other -> the node of tree with its path
-    reach = [0.0] * len(other)
-    reach[0] = 1.0
-    for u in range(len(other)):  # parents before children (``TokenTree.add``)
+    for u in range(1, len(other)):  # parents before children (``TokenTree.add``)
+        v = same.get(other.parents[u])
+        w = tree.child_with_token(v, other.tokens[u]) if v is not None else None
+        if w is not None:
+            same[u] = w
+
+    def tries(u: int) -> tuple[list[tuple[int, float]], np.ndarray, bool]:
         kids = other.children[u]
-        if not kids or reach[u] <= 0.0:
-            continue
         v = same.get(u)
         if v is not None:
-            rest = reach[u]
-            for child, accept in _tries(other, kids, dist(v), other_q.get(u))[0]:
-                reach[child] = rest * accept
-                rest -= reach[child]
-            for child in kids:
-                w = tree.child_with_token(v, other.tokens[child])
-                if w is not None:
-                    same[child] = w
-            continue
-        parent = other.scores[u]
-        if parent <= 0.0:
-            continue
-        rest = reach[u]
+            return (*_tries(other, kids, dist(v), other_q.get(u)), False)
+        # each child's chance given u's is its score over u's, taken in turn from what the
+        # children before it left
+        odds, left, parent = [], 1.0, other.scores[u]
         for child in kids:
-            reach[child] = min(reach[u] * other.scores[child] / parent, rest)
-            rest -= reach[child]
-    return sum(reach[1:])
+            share = other.scores[child] / parent if parent > 0.0 else 0.0
+            accept = min(share / left, 1.0) if left > 0.0 else 0.0
+            odds.append((child, accept))
+            left -= left * accept
+        return odds, np.empty(0), False
+
+    return sum(_reached(other, tries)[1:])
