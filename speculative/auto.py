@@ -4,15 +4,15 @@ Three kinds of step (``StepKind``): the target alone, the n-gram model's tree, a
 model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. Greedy
 with a draft model loaded, the n-gram's tree is not a kind of its own but a choice each step of
 the draft's kind makes before running the draft (``AutoPolicy.without_draft``): with the
-n-gram's tree grown, it prices the target alone, that tree alone, and the draft's merged tree
-(the n-gram tree's expected tokens and seconds plus what running the draft added on steps
-whose n-gram tree looked alike, measured beside the draft's steps: ``Margin``), and takes the
-fastest. On text the n-gram model knows its tree alone runs, where nothing pays the target
-alone, and the draft elsewhere, step by step; chosen as a kind, the n-gram's tree ran for dozens
-of steps at a time, by rates measured a few noisy steps at a time, and the draft paid its
-catching up at every exploration. Within a kind, the cost model sizes the tree
-(``speculative.sizing``): a draft batch only where its expected tokens per second beat the
-step's so far, then the cut that maximises them; greedy, the n-gram's greedy chain is hung
+n-gram's tree grown, it prices the target alone (as such steps take now), that tree alone, and
+the draft's merged tree (both from the n-gram tree's expected tokens and seconds, each corrected
+by how far its steps measured from that estimate on steps whose n-gram tree looked alike:
+``Margin``), and takes the fastest. On text the n-gram model knows its tree alone runs, where
+nothing pays the target alone, and the draft elsewhere, step by step; chosen as a kind, the
+n-gram's tree ran for dozens of steps at a time, by rates measured a few noisy steps at a time,
+and the draft paid its catching up at every exploration. Within a kind, the cost model sizes
+the tree (``speculative.sizing``): a draft batch only where its expected tokens per second beat
+the step's so far, then the cut that maximises them; greedy, the n-gram's greedy chain is hung
 below the draft tree's best leaf and the n-gram's own tree merged in (``AutoPolicy.merge``),
 each n-gram branch beside the draft's choices scored by its own measured acceptance
 (``Scorer.BRANCHES``), and the final cut keeps what pays (at least the best node once the draft
@@ -163,9 +163,10 @@ LEAD_SPREAD = 0.2  # how far apart (in log speed) kinds usually are: what a meas
 PAIR_DECAY = 0.95  # a paired timing's weight after each later step (``Paired``)
 ASIDE_SHARE = 0.02  # time planning the n-gram's tree beside target-alone steps may take
 RECALL_STEPS = MIN_STEPS  # decayed steps a measurement recalled from an earlier run counts as
-MARGIN_DECAY = 0.97  # the weight of the draft's measured gain over the n-gram's tree after
-                     # each later draft step of the same bin (``Margin``)
+MARGIN_DECAY = 0.97  # the weight of a step's measured miss of its estimate after each later
+                     # such step of the same bin (``Missed``)
 MARGIN_BINS = (1.5, 2.5)  # the n-gram tree's expected tokens that bound the margins' bins
+DRAFT_DOUBTS = 1.0  # standard errors of its steps' tokens the draft is given the benefit of
 
 
 @dataclasses.dataclass(slots=True)
@@ -287,33 +288,61 @@ class Paired:
 
 
 @dataclasses.dataclass(slots=True)
-class Margin:
-    """What a greedy step of the draft's kind gained by running the draft: the tokens it
-    emitted and the seconds it took beyond those of the n-gram's own cut tree timed in its
-    place (``Alternative``, decided by the text: ``Guessed``), decayed sums over such steps,
-    what prices running the draft at a step before it runs (``AutoPolicy.without_draft``).
-    Kept apart by how many tokens the n-gram's tree was expected to emit (``MARGIN_BINS``):
-    where the n-gram model knows the text (a run of indentation, a repeated name) its chain
-    often emits more than the merged tree's cut keeps of it, and where it does not the draft
-    adds most of the step's tokens; averaged together, the one hid the other."""
+class Missed:
+    """How far steps of one choice measured from what they were estimated to emit and take
+    when planned: decayed sums of the tokens and the seconds beyond the estimate."""
 
     tokens: float = 0.0
     seconds: float = 0.0
     steps: float = 0.0
+    squares: float = 0.0  # of the tokens beyond the estimate: their spread
     decay: float = MARGIN_DECAY
 
     def add(self, tokens: float, seconds: float) -> None:
         d = self.decay
         self.tokens, self.seconds = d * self.tokens + tokens, d * self.seconds + seconds
+        self.squares = d * self.squares + tokens * tokens
         self.steps = d * self.steps + 1.0
 
     @property
     def measured(self) -> bool:
         return self.steps >= MIN_STEPS
 
-    def added(self) -> tuple[float, float]:
-        """The tokens and seconds running the draft added to a step, on average (measured)."""
+    def mean(self) -> tuple[float, float]:
+        """The tokens and seconds beyond the estimate, on average (0, 0 before any step)."""
+        if self.steps <= 0.0:
+            return 0.0, 0.0
         return self.tokens / self.steps, self.seconds / self.steps
+
+    def doubt(self) -> float:
+        """The standard error of the mean tokens beyond the estimate (a step emits one token
+        or several, far more than choices differ by on average)."""
+        if self.steps <= 1.0:
+            return 0.0
+        mean = self.tokens / self.steps
+        return math.sqrt(max(self.squares / self.steps - mean * mean, 0.0) / self.steps)
+
+
+@dataclasses.dataclass(slots=True)
+class Margin:
+    """What prices a greedy step of the draft's kind before it runs
+    (``AutoPolicy.without_draft``), for steps whose n-gram tree was expected to emit about as
+    many tokens (``MARGIN_BINS``): how far steps that ran the draft, and the n-gram's cut
+    tree, each measured from that tree's estimate (its calibrated scores' tokens; the
+    planning so far, the loop after a pass and the cost curve's price of its pass). Both
+    choices are priced from one estimate, corrected by what each measured: the draft's
+    steps as they ran (less their catching up), the n-gram's tree where it ran alone and,
+    beside steps that ran the draft, as the text decided it (``Guessed``). Each choice is
+    then priced as it runs, whatever the estimate's error: priced as the n-gram tree's
+    estimate plus what running the draft added beside it, the draft's step inherited that
+    estimate's errors (where the n-gram's nodes are unsure its tokens low, its seconds high),
+    and read slower than the target alone where it ran faster. Kept apart by bin: where the
+    n-gram model knows the text (a run of indentation, a repeated name) its tree often emits
+    more than the merged tree's cut keeps of it, and where it does not the draft adds most
+    of the step's tokens; averaged together, the one hid the other."""
+
+    drafted: Missed = dataclasses.field(default_factory=Missed)
+    ngram: Missed = dataclasses.field(default_factory=Missed)
 
 
 def _backoff(every: int, lost: bool) -> int:
@@ -364,10 +393,15 @@ class Planner:
     kinds: tuple[StepKind, ...] = tuple(StepKind)
     trial: StepKind | None = None  # the kind being explored, and its steps still to run
     trial_left: int = 0
-    # greedy with a draft model: what running the draft gained over the n-gram's tree, by how
-    # many tokens that tree was expected to emit (``Margin``; ``AutoPolicy.without_draft``)
+    # greedy with a draft model: how running the draft, and the n-gram's tree alone, measured
+    # from that tree's estimate, by how many tokens it was expected to emit (``Margin``;
+    # ``AutoPolicy.without_draft``)
     margins: list[Margin] = dataclasses.field(
         default_factory=lambda: [Margin() for _ in range(len(MARGIN_BINS) + 1)])
+    # a step of the target alone at this moment, pass and loop (``Outcome.t_alone``): what
+    # ``without_draft`` prices the target alone by (the cost curve's bare pass is timed
+    # back to back, without the logits read, the penalties and the loop of a step)
+    alone: Running = dataclasses.field(default_factory=lambda: Running(decay=0.9))
     # the loop's time after the target's pass, by the kind of step: a tree's commit and
     # bookkeeping take longer than a lone token's
     after: dict[StepKind, Running] = dataclasses.field(
@@ -793,9 +827,14 @@ class AutoPolicy:
         self.text_at: tuple[int, int] | None = None  # (length, last token) observed last
         self.planned_at = 0  # the text's length at the last step planned
         self.aside_wait = 0  # target-alone steps until the next plans the n-gram's tree
-        # greedy: the draft's kind's steps in a row that left the draft out, after how many
-        # the next runs it anyway (what running it gains: ``Planner.margins``)
-        self.bin = 0  # the margin bin of the step planned last
+        # greedy, a step of the draft's kind (``without_draft``): its n-gram tree's margin
+        # bin, that tree's expected tokens and seconds, and what the step verifies (the
+        # draft's tree: DRAFT; the n-gram's tree alone: GUESSES; the target alone: ROOT);
+        # None where the step priced none
+        self.bin = 0
+        self.estimate: tuple[float, float] | None = None
+        self.chose: StepKind | None = None
+        # the steps in a row that left the draft out, after how many the next runs it anyway
         self.left_out = 0
         self.refresh = EXPLORE_EVERY
 
@@ -809,6 +848,7 @@ class AutoPolicy:
         if self.text_at != (len(step.committed), step.root):
             self.guessed.clear()  # another text (a new reply, a step undone)
         self.planned_at = len(step.committed)
+        self.estimate = self.chose = None  # (set where the step prices the n-gram's tree)
         if budget is None:
             return StepPlan.alone(step.root)
         if res.draft is not None and step.params.greedy:
@@ -876,44 +916,58 @@ class AutoPolicy:
 
     def without_draft(self, cut: DraftTree, t0: float) -> DraftTree | None:
         """Greedy, a step of the draft's kind: what it verifies without running the draft, or
-        None to run it. Three steps are priced, each as its expected tokens over its seconds
-        (the planning so far, the target's pass, the loop after it, and, without the draft,
-        its catching up on the step's tokens later): the target alone (1 token); ``cut``, the
-        n-gram's tree cut to what pays (its nodes' calibrated scores); and the draft's merged
-        tree, as ``cut`` plus what running the draft added, and took, on average on steps
-        whose n-gram tree was expected to emit about as many tokens (``Margin``). The fastest
-        is taken: on text the n-gram model knows (a run of indentation, a repeated name) its
-        tree alone emits as much for less, where neither it nor the draft gains (a steep
-        curve, text neither knows) the target alone runs, and elsewhere the draft. Until its
-        margin is measured the draft runs; once it has been left out ``refresh`` steps in a
-        row it runs anyway, so that its margin stays measured on the text as it is (the wait
-        doubling while it keeps losing)."""
-        res = self.res
+        None to run it. Three steps are priced, each as its expected tokens over its seconds:
+        the target alone (1 token, in the time such a step takes now: ``Planner.alone``);
+        ``cut``, the n-gram's tree cut to what pays; and the draft's merged tree. The last two
+        from ``cut``'s estimate (its nodes' calibrated scores; the planning so far, the loop
+        after a pass, and the cost curve's price of its pass), each corrected by how far
+        such steps measured from theirs, on steps whose n-gram tree was expected to emit
+        about as many tokens (``Margin``); without the draft, each also pays for the draft's
+        catching up on its tokens later. The fastest is taken: on text the n-gram model
+        knows (a run of indentation, a repeated name) its tree alone emits as much for less,
+        where neither it nor the draft gains (a steep curve, text neither knows) the target
+        alone runs, and elsewhere the draft. Until the draft's steps are measured it runs;
+        once it has been left out ``refresh`` steps in a row it runs anyway, so that they
+        stay measured on the text as it is (the wait doubling while it keeps losing)."""
+        res, planner = self.res, self.planner
         assert res.sizer is not None
         factor = res.calibrations.factor(Scorer.NGRAM)
         tree = cut.tree
         tokens = 1.0 + sum(accepted_estimate(s, factor) for s in tree.scores[1:])
         self.bin = bisect.bisect_right(MARGIN_BINS, tokens)
-        margin = self.planner.margins[self.bin]
-        if not margin.measured:
+        margin = planner.margins[self.bin]
+        priced = res.sizer.priced
+        seconds = time.perf_counter() - t0 + planner.after[StepKind.DRAFT].value + priced(
+            len(tree))
+        self.estimate, self.chose = (tokens, seconds), StepKind.DRAFT
+        if not margin.drafted.measured:
             return None
         if self.left_out >= self.refresh:
             self.left_out = 0
             self.refresh = min(self.refresh * 2, EXPLORE_EVERY * MAX_BACKOFF)
             return None
-        priced = res.sizer.priced
-        fixed = time.perf_counter() - t0 + self.planner.after[StepKind.DRAFT].value
-        per_token = self.planner.catching_up(1)  # left out, the draft reads them later
-        seconds = fixed + priced(len(tree))
-        alone = 1.0 / (fixed + priced(1) + per_token)
-        ngram = tokens / (seconds + tokens * per_token)
-        more_tokens, more_seconds = margin.added()
-        more = seconds + more_seconds
-        drafted = (tokens + more_tokens) / more if more > 0.0 else math.inf
+        per_token = planner.catching_up(1)  # left out, the draft reads them later
+
+        def rate(missed: Missed, catching_up: float, doubts: float = 0.0) -> float:
+            more_tokens, more_seconds = missed.mean()
+            # the target's own token at least
+            n = max(tokens + more_tokens + doubts * missed.doubt(), 1.0)
+            took = max(seconds + more_seconds, 0.0) + n * catching_up
+            return n / took if took > 0.0 else math.inf
+
+        # the draft's steps are measured only where it runs: it is left out only where it is
+        # slower by more than their doubt (a few short steps in a row would otherwise leave
+        # it out, unmeasured, until its next refresh)
+        drafted = rate(margin.drafted, 0.0, DRAFT_DOUBTS)
+        ngram = rate(margin.ngram, per_token)
+        alone_seconds = (planner.alone.value if planner.alone.weight > 0
+                         else seconds - priced(len(tree)) + priced(1))
+        alone = 1.0 / (alone_seconds + per_token)
         if drafted >= max(ngram, alone):
             self.left_out, self.refresh = 0, EXPLORE_EVERY
             return None
         self.left_out += 1
+        self.chose = StepKind.GUESSES if ngram >= alone else StepKind.ROOT
         return cut if ngram >= alone else cut.best(0)
 
     def ngram_tree(self, ngram: NgramDrafter, step: StepInput) -> DraftTree:
@@ -1079,11 +1133,22 @@ class AutoPolicy:
                 now.append((kind, known, seconds))
             else:
                 trees.append((kind, tree, seconds))
+        if outcome.t_alone > 0:
+            planner.alone.add(outcome.t_alone)
+        estimate, chose = self.estimate, self.chose  # (this step's: read once)
+        self.estimate = self.chose = None
+        if estimate is not None and chose is not StepKind.ROOT:
+            # a step of the draft's kind that priced its choice: how far it measured
+            expected, priced = estimate
+            margin = planner.margins[self.bin]
+            missed = margin.drafted if chose is StepKind.DRAFT else margin.ngram
+            missed.add(tokens - expected, ran - switch - priced)
         planner.observe_step(plan.kind, tokens, ran, switch, now)
         # the trees are decided by the text written from here on (greedy: the target's own
         # tokens, whichever kind writes them), and timed then against what ran here
         against = ((plan.kind, tokens, max(ran - switch, 1e-9)), *now)
-        self.guessed += [Guessed(tree, kind, seconds, against, self.bin)
+        estimate = estimate if chose is StepKind.DRAFT else None
+        self.guessed += [Guessed(tree, kind, seconds, against, self.bin, estimate)
                          for kind, tree, seconds in trees]
         self.follow(written)
 
@@ -1098,11 +1163,12 @@ class AutoPolicy:
                 pending.append(guessed)
                 continue
             self.planner.observe_aside(guessed.kind, tokens, guessed.seconds, guessed.against)
-            ran, ran_tokens, ran_seconds = guessed.against[0]
-            if ran is StepKind.DRAFT and guessed.kind is StepKind.GUESSES:
-                # beside a step that ran the draft: what running it gained
-                self.planner.margins[guessed.bin].add(ran_tokens - tokens,
-                                                      ran_seconds - guessed.seconds)
+            if guessed.estimate is not None and guessed.kind is StepKind.GUESSES:
+                # beside a step that ran the draft: how far the n-gram's tree, as the text
+                # decided it, measured from its estimate
+                expected, priced = guessed.estimate
+                self.planner.margins[guessed.bin].ngram.add(tokens - expected,
+                                                            guessed.seconds - priced)
         self.guessed = pending
 
     def counterfactuals(self, plan: StepPlan, outcome: Outcome
@@ -1172,7 +1238,10 @@ class Guessed:
     # (kind, tokens, seconds) of the step's kind as it ran, and of the target alone where it
     # was timed in its place: what the tree's step is timed against once decided
     against: tuple[tuple[StepKind, float, float], ...]
-    bin: int = 0  # beside a draft step: its n-gram tree's margin bin (``Margin``)
+    # beside a step that ran the draft: its n-gram tree's margin bin (``Margin``), and that
+    # tree's expected tokens and seconds when the step was planned
+    bin: int = 0
+    estimate: tuple[float, float] | None = None
     node: int = 0
 
     def follow(self, tokens: Sequence[int]) -> int | None:

@@ -26,10 +26,11 @@ from speculative.auto import (
     AutoPolicy,
     Guessed,
     Margin,
+    Missed,
     Planner,
     catching_up,
 )
-from speculative.costmodel import Calibration, VerifyCost
+from speculative.costmodel import Calibration, Running, VerifyCost
 from speculative.drafting import (
     DraftCounters,
     DraftTree,
@@ -241,20 +242,38 @@ def test_a_draft_step_that_paid_for_the_draft_verifies_its_best_node() -> None:
     assert paid and all(s.drafted >= 1 for s in paid)
 
 
-class _Held(Margin):
-    """A margin that stays as planted (the fakes' steps take microseconds of Python)."""
+class _Held(Missed):
+    """A measured miss that stays as planted (the fakes' steps take microseconds of
+    Python): ``tokens`` and ``seconds`` beyond the estimate on average."""
+
+    def __init__(self, tokens: float = 0.0, seconds: float = 0.0) -> None:
+        super().__init__(10 * tokens, 10 * seconds, 10.0)
 
     def add(self, tokens: float, seconds: float) -> None:
         pass
 
 
+class _Alone(Running):
+    """A target-alone step's time that stays as planted (the fakes' passes are priced in
+    the curve's seconds, but take microseconds)."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__(seconds, 1.0)
+
+    def add(self, value: float, weight: float = 1.0) -> None:
+        pass
+
+
 def _margins(engine: Engine, tokens: float, seconds: float) -> AutoPolicy:
-    """``engine``'s ``auto`` policy with running the draft measured to add ``tokens`` in
-    ``seconds`` to a step, in every bin."""
+    """``engine``'s ``auto`` policy with steps that run the draft measured to emit ``tokens``
+    more, in ``seconds`` more, than the n-gram tree's estimate, and that tree as estimated,
+    in every bin; the target alone as its curve prices it."""
     policy = engine._policy(Mode.AUTO)
     assert isinstance(policy, AutoPolicy)
     margins = policy.planner.margins
-    margins[:] = [_Held(10 * tokens, 10 * seconds, 10.0) for _ in margins]
+    margins[:] = [Margin(_Held(tokens, seconds), _Held()) for _ in margins]
+    assert engine.verify_cost is not None
+    policy.planner.alone = _Alone(engine.verify_cost.curve(1))
     return policy
 
 
@@ -357,12 +376,61 @@ def test_the_draft_left_out_runs_again_after_a_wait_that_doubles_while_it_adds_n
                         8 * EXPLORE_EVERY]
     assert policy.refresh == EXPLORE_EVERY * min(16, MAX_BACKOFF)
     assert policy.bin == 1  # one node nearly sure: about 2 tokens expected
-    policy.planner.margins[1] = _Held(1e4, 0.0, 10.0)
+    policy.planner.margins[1] = Margin(_Held(1e3), _Held())
     assert policy.without_draft(cut, t0) is None
     assert policy.refresh == EXPLORE_EVERY
     root = policy.without_draft(DraftTree(TokenTree.rooted(1), {}), t0)
     assert root is not None and len(root.tree) == 1
     assert policy.bin == 0  # nothing to verify: the target's token only
+
+
+def test_each_choice_is_priced_from_the_ngram_trees_estimate_as_its_steps_measured() -> None:
+    """Without the draft and with it, a step is priced from the n-gram tree's estimate,
+    corrected by how far such steps measured from theirs (``Margin``), and the target alone
+    as such steps take now (``Planner.alone``): each choice measured slower than the next
+    is passed over for it."""
+    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine.measure_cost()
+    policy = _margins(engine, 1.0, 0.0)
+    tree = TokenTree.rooted(1)
+    tree.add(0, 2, 0.95, "ngram")
+    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    assert policy.without_draft(cut, t0) is None  # a token more for nothing: the draft runs
+    assert policy.chose is StepKind.DRAFT and policy.estimate is not None
+    margins = policy.planner.margins
+    margins[policy.bin] = Margin(_Held(1.0, 10.0), _Held())  # ... in ten passes' time
+    left = policy.without_draft(cut, t0)
+    assert left is not None and len(left.tree) == 2 and policy.chose is StepKind.GUESSES
+    margins[policy.bin] = Margin(_Held(1.0, 10.0), _Held(0.0, 10.0))
+    root = policy.without_draft(cut, t0)
+    assert root is not None and len(root.tree) == 1 and policy.chose is StepKind.ROOT
+    policy.planner.alone = _Alone(100.0)  # the target alone now takes a hundred passes
+    assert policy.without_draft(cut, t0) is None  # ... the slowest: the draft runs
+    assert policy.chose is StepKind.DRAFT
+
+
+def test_the_draft_is_left_out_only_where_its_steps_are_surely_slower() -> None:
+    """The draft's steps are measured only where it runs: measured a little slower than the
+    n-gram's tree alone, steadily, it is left out; as slow on average but spread out (steps
+    of one token and of several), it runs, and is measured further."""
+    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine.measure_cost()
+    policy = _margins(engine, 0.0, 0.0)
+    tree = TokenTree.rooted(1)
+    tree.add(0, 2, 0.95, "ngram")
+    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    policy.without_draft(cut, t0)
+    steady, spread = Missed(decay=1.0), Missed(decay=1.0)
+    for i in range(10):
+        steady.add(-0.2, 0.0)
+        spread.add(-1.2 if i % 2 else 0.8, 0.0)
+    assert spread.mean() == pytest.approx(steady.mean())
+    assert steady.doubt() < 1e-6 and spread.doubt() > 0.3
+    policy.planner.margins[policy.bin] = Margin(steady, _Held())
+    left = policy.without_draft(cut, t0)
+    assert left is not None and policy.chose is StepKind.GUESSES
+    policy.planner.margins[policy.bin] = Margin(spread, _Held())
+    assert policy.without_draft(cut, t0) is None and policy.chose is StepKind.DRAFT
 
 
 def _steep_sampled(mode: Mode) -> Engine:
@@ -584,7 +652,8 @@ def test_a_new_engine_carries_on_from_what_another_learned() -> None:
         _generate(first, prompt, 24)
     learned = first.learned()
     assert learned.planner is not None and learned.planner.elapsed > 0
-    assert sum(m.steps for m in learned.planner.margins) > 0  # measured beside draft steps
+    assert sum(m.drafted.steps for m in learned.planner.margins) > 0  # the draft's steps
+    assert sum(m.ngram.steps for m in learned.planner.margins) > 0  # ... the n-gram's beside
     second = _auto(STEEP, CHEAP_DRAFT)
     second.adopt(learned)
     assert second.planner is learned.planner
@@ -1494,7 +1563,8 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     """Beside a draft step that emitted 2 tokens, the n-gram's chain of three held both and
     goes deeper: the next step's text decides it (all three, and the target's next: 4
     tokens), and only then is it paired with the draft's step and the target alone timed
-    in that step's place."""
+    in that step's place; the bin's margin learns how far the draft's step, and the
+    chain's, measured from the estimate the chain was planned with."""
     from types import SimpleNamespace
 
     from speculative.plan import Alternative, StepPlan
@@ -1514,6 +1584,8 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
                                                                TokenTree.rooted(7))))
     outcome = Outcome([1], (1,), 2, seconds=0.30, t_plan=0.08, t_verify=0.20, batch=2,
                       next_token=2, t_single=0.18, t_alone=0.2)
+    # as ``without_draft`` priced the chain's step, choosing to run the draft
+    policy.estimate, policy.chose = (1.5, 0.1), StepKind.DRAFT
     policy.observe(plan, outcome)
     assert (StepKind.DRAFT, StepKind.GUESSES) not in planner.pairs  # not decided yet
     assert planner.pairs[(StepKind.DRAFT, StepKind.ROOT)].alt_tokens == 1
@@ -1523,12 +1595,13 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     pair = planner.pairs[(StepKind.DRAFT, StepKind.GUESSES)]
     assert (pair.tokens, pair.alt_tokens) == (2, 4)
     assert pair.seconds == pytest.approx(0.30)
-    # what running the draft gained over the n-gram's tree: 2 tokens fewer, in the bin of
-    # the step it ran in
+    # how far the step that ran the draft (2 tokens in 0.30 s), and the n-gram's chain as the
+    # text decided it, measured from the chain's estimate, in the bin of the step
     margin = policy.planner.margins[policy.bin]
-    assert (margin.tokens, margin.steps) == (-2, 1)
-    assert margin.seconds == pytest.approx(0.30 - pair.alt_seconds)
-    assert sum(m.steps for m in policy.planner.margins) == 1
+    assert margin.drafted.steps == margin.ngram.steps == 1
+    assert margin.drafted.mean() == pytest.approx((2 - 1.5, 0.30 - 0.1))
+    assert margin.ngram.mean() == pytest.approx((4 - 1.5, pair.alt_seconds - 0.1))
+    assert sum(m.drafted.steps + m.ngram.steps for m in policy.planner.margins) == 2
     guesses = planner.pairs[(StepKind.GUESSES, StepKind.ROOT)]
     assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
 
