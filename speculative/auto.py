@@ -335,8 +335,8 @@ class Margin:
     beside steps that ran the draft, as the text decided it (``Guessed``). Each choice is
     then priced as it runs, whatever the estimate's error: priced as the n-gram tree's
     estimate plus what running the draft added beside it, the draft's step inherited that
-    estimate's errors (where the n-gram's nodes are unsure its tokens low, its seconds high),
-    and read slower than the target alone where it ran faster. Kept apart by bin: where the
+    estimate's errors (where the n-gram's nodes are unsure, its tokens low), and read slower
+    than the target alone where it ran faster. Kept apart by bin: where the
     n-gram model knows the text (a run of indentation, a repeated name) its tree often emits
     more than the merged tree's cut keeps of it, and where it does not the draft adds most
     of the step's tokens; averaged together, the one hid the other."""
