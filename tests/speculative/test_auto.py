@@ -353,18 +353,25 @@ def test_the_draft_runs_where_it_adds_more_than_the_ngram_tree_alone_yields() ->
     assert sum(left_out) > 2 * len(left_out)  # the n-gram's trees, several nodes each
 
 
+def _one_node_choice(tokens: float, seconds: float) -> tuple[AutoPolicy, DraftTree, float]:
+    """An ``auto`` policy on a steep curve with a cheap draft, its costs measured and its
+    margins planted (``_margins``), and an n-gram cut of one nearly sure node with the time
+    its step began: what ``without_draft`` is asked about."""
+    engine = _auto(STEEP, CHEAP_DRAFT)
+    engine.measure_cost()
+    policy = _margins(engine, tokens, seconds)
+    tree = TokenTree.rooted(1)
+    tree.add(0, 2, 0.95, "ngram")
+    return policy, DraftTree(tree, {}), time.perf_counter()
+
+
 def test_the_draft_left_out_runs_again_after_a_wait_that_doubles_while_it_adds_nothing(
         ) -> None:
     """After ``EXPLORE_EVERY`` steps in a row without the draft, the next runs it (its margin
     is measured only on steps that run it); while it keeps adding nothing, the wait doubles,
     up to ``MAX_BACKOFF`` times; a step that runs it for what it adds starts the wait
     over. Each step's bin is the n-gram tree's expected tokens."""
-    engine = _auto(STEEP, CHEAP_DRAFT)
-    engine.measure_cost()
-    policy = _margins(engine, *NOTHING)
-    tree = TokenTree.rooted(1)
-    tree.add(0, 2, 0.95, "ngram")
-    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    policy, cut, t0 = _one_node_choice(*NOTHING)
     gaps, run = [], 0
     for _ in range(EXPLORE_EVERY * 16):
         if policy.without_draft(cut, t0) is not None:
@@ -389,12 +396,7 @@ def test_each_choice_is_priced_from_the_ngram_trees_estimate_as_its_steps_measur
     corrected by how far such steps measured from theirs (``Margin``), and the target alone
     as such steps take now (``Planner.alone``): each choice measured slower than the next
     is passed over for it."""
-    engine = _auto(STEEP, CHEAP_DRAFT)
-    engine.measure_cost()
-    policy = _margins(engine, 1.0, 0.0)
-    tree = TokenTree.rooted(1)
-    tree.add(0, 2, 0.95, "ngram")
-    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    policy, cut, t0 = _one_node_choice(1.0, 0.0)
     assert policy.without_draft(cut, t0) is None  # a token more for nothing: the draft runs
     assert policy.chose is StepKind.DRAFT and policy.estimate is not None
     margins = policy.planner.margins
@@ -413,12 +415,7 @@ def test_the_draft_is_left_out_only_where_its_steps_are_surely_slower() -> None:
     """The draft's steps are measured only where it runs: measured a little slower than the
     n-gram's tree alone, steadily, it is left out; as slow on average but spread out (steps
     of one token and of several), it runs, and is measured further."""
-    engine = _auto(STEEP, CHEAP_DRAFT)
-    engine.measure_cost()
-    policy = _margins(engine, 0.0, 0.0)
-    tree = TokenTree.rooted(1)
-    tree.add(0, 2, 0.95, "ngram")
-    cut, t0 = DraftTree(tree, {}), time.perf_counter()
+    policy, cut, t0 = _one_node_choice(0.0, 0.0)
     policy.without_draft(cut, t0)
     steady, spread = Missed(decay=1.0), Missed(decay=1.0)
     for i in range(10):
