@@ -79,27 +79,28 @@ again at all.
 Which kind is fastest is judged on the same text where possible: a step's plan names what the
 other kinds would have verified in its place (``Alternative``: greedy, the n-gram's own cut
 tree beside a draft step, and the target alone beside every drafted step), and the text the
-target writes from there tells exactly how many tokens those would have emitted (``Guessed``:
-a tree is followed down the text until it leaves the tree or reaches a leaf); their time is
-the step's own outside planning, their planning, and this step's target pass scaled by the
-cost curve to their batch. Rates measured at different moments differ more with the text (a
-new prompt, a docstring against code) than the kinds differ from each other; paired on the
-same steps, the text's difficulty cancels (``Paired``). Where the n-gram's tree is a kind of
-its own (sampled, or greedy without a draft model), a step of another kind plans the n-gram's
-tree beside it (``AutoPolicy.aside``; its planning may take ``ASIDE_SHARE`` of a target-alone
-step's time, no more): greedy, decided by the text as above; sampled, priced by the step's own
-target pass (its distributions where the step's tree shares the n-gram tree's paths, the
-root's children always: ``verify.verify_sampling``'s ``beside``). Once the target alone ran,
-the n-gram's kind was otherwise measured only by explorations, each a loss while the text was
-hard (on a steep curve a wrong guess verified costs much of a pass more), their waits doubling
-while they lost, and the target alone ran on for hundreds of steps where the n-gram's kind had
-become the faster; sampled, beside the draft's kind, explorations a few noisy steps long
-never told the two apart surely, and the n-gram's kind was explored every ``EXPLORE_EVERY``
-steps at a loss. The wait before exploring a kind counts from when it was last timed against
-the fastest (``Planner.since``), not from when it last ran. A sampled step counts the tokens
-its tree yields on average over the acceptance rule's draws (``Verdict.expected``), not the
-ones it drew: by the draws alone one step emits 1 token and the next 5, and kinds a few
-percent apart are told apart only after many steps.
+target writes from there tells exactly how many tokens those would have emitted (``Guessed``: a
+tree is followed down the text until it leaves the tree or reaches a leaf); their time is the
+step's own outside planning, their planning, and this step's target pass scaled by the cost
+curve to their batch. Rates measured at different moments differ more with the text (a new
+prompt, a docstring against code) than the kinds differ from each other; paired on the same
+steps, the text's difficulty cancels (``Paired``). Where the n-gram's tree is a kind of its own
+(sampled, or greedy without a draft model), a step of another kind plans the n-gram's tree
+beside it (``AutoPolicy.aside``; its planning may take ``ASIDE_SHARE`` of a target-alone step's
+time, no more): greedy, decided by the text as above; sampled, priced by the step's own target
+pass (its distributions where the step's tree shares the n-gram tree's paths, the root's
+children always: ``verify.verify_sampling``'s ``beside``); either way, timed beside the target
+alone it is the n-gram kind's speed against it (``Planner.with_root``). Once the target alone
+ran, the n-gram's kind was otherwise measured only by explorations, each a loss while the text
+was hard (on a steep curve a wrong guess verified costs much of a pass more), their waits
+doubling while they lost, and the target alone ran on for hundreds of steps where the n-gram's
+kind had become the faster; sampled, beside the draft's kind, explorations a few noisy steps
+long never told the two apart surely, and the n-gram's kind was explored every
+``EXPLORE_EVERY`` steps at a loss. The wait before exploring a kind counts from when it was
+last timed against the fastest (``Planner.since``), not from when it last ran. A sampled step
+counts the tokens its tree yields on average over the acceptance rule's draws
+(``Verdict.expected``), not the ones it drew: by the draws alone one step emits 1 token and the
+next 5, and kinds a few percent apart are told apart only after many steps.
 
 What was measured carries over: from one sampling to the other and back (sampled trees accept
 far less than greedy ones, so each sampling has its own measurements), and, through
@@ -500,21 +501,30 @@ class Planner:
         of its own, paid later (``returning``): coming back, the draft catches up on every
         step it sat out, and a switch that gains less than that over the steps it runs is
         not taken (kinds about as fast would otherwise trade places with the text's easy and
-        hard stretches, and the draft catch up at every return)."""
-        measured = [k for k in kinds if self.rates[k].measured]
+        hard stretches, and the draft catch up at every return). Of the kinds faster than the
+        running one, the fastest that may take over does: the pair that keeps the fastest
+        from taking over (the draft's steps with the n-gram's tree priced beside them, read
+        slower than it) says nothing of the target alone, and the n-gram's kind, running
+        slower than the target alone, kept running while the draft could not take over."""
+        measured = sorted((k for k in kinds if self.rates[k].measured), key=self.speed,
+                          reverse=True)
         if not measured:
             return None
-        top = max(measured, key=self.speed)
         held = self.held
-        if held is None or held is top or held not in measured:
-            return top
-        lead, doubt = self.lead(top, held)
-        doubts = 0.0 if top is StepKind.ROOT else SWITCH_DOUBTS
-        if lead <= math.log1p(SWITCH_MARGIN) + doubts * doubt:
-            return held
-        gain = (1.0 - math.exp(-lead)) * HOLD_STEPS * self.plain_seconds()
-        cost = self.catch_up.get(top, 0.0) + self.returning(held)
-        return top if gain > cost else held
+        if held is None or held not in measured:
+            return measured[0]
+        # the fastest kind that would take over; one that cannot (its lead on the running
+        # kind, measured on the same steps, is not sure) does not keep a slower one that
+        # can from taking over (the target alone from a kind measured slower than it)
+        for top in measured[:measured.index(held)]:
+            lead, doubt = self.lead(top, held)
+            doubts = 0.0 if top is StepKind.ROOT else SWITCH_DOUBTS
+            if lead <= math.log1p(SWITCH_MARGIN) + doubts * doubt:
+                continue
+            gain = (1.0 - math.exp(-lead)) * HOLD_STEPS * self.plain_seconds()
+            if gain > self.catch_up.get(top, 0.0) + self.returning(held):
+                return top
+        return held
 
     def returning(self, kind: StepKind) -> float:
         """Seconds that coming back to ``kind`` after ``HOLD_STEPS`` steps of another costs
@@ -743,9 +753,17 @@ class Planner:
             # a time, and not aged by the steps between them: each exploration's few steps
             # would decide alone (one step emits 1 token, the next 6: far too few to tell
             # kinds a few percent apart)
-            paired = (self.with_root(kind) if alt is StepKind.ROOT
-                      else self.pairs.setdefault((kind, alt), Paired()))
-            paired.add(tokens, ran, alt_tokens, alt_seconds)
+            if alt is StepKind.ROOT:
+                self.with_root(kind).add(tokens, ran, alt_tokens, alt_seconds)
+            elif kind is StepKind.ROOT:
+                # a tree priced beside a step of the target alone (sampled: ``aside``) is
+                # that kind's speed now, as a greedy one decided by the text is
+                # (``observe_aside``): kept as a pair against the target alone, not the
+                # other way round, where no kind's speed would read it
+                self.with_root(alt).add(alt_tokens, alt_seconds, tokens, ran)
+            else:
+                self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
+                                                                 alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
                 paired = (self.with_root(alt_a[0]) if alt_b[0] is StepKind.ROOT

@@ -1291,6 +1291,27 @@ def test_the_target_alone_takes_over_from_a_slower_kind_once_it_leads_by_the_mar
     assert lead < math.log1p(SWITCH_MARGIN) + SWITCH_DOUBTS * doubt
 
 
+def test_a_kind_that_cannot_take_over_does_not_keep_a_slower_one_running() -> None:
+    """The n-gram's kind took over where the draft's steps, with the n-gram's tree priced
+    beside them, read slower than it; then its own steps run at 0.85 times the target alone.
+    The draft's kind reads the fastest against the target alone but not against the n-gram's
+    on the same steps, so it cannot take over; the target alone, which leads the running kind
+    surely, does, and from it the draft's kind, which leads the target alone surely: ``auto``
+    does not run a kind slower than plain decoding because a third kind's measurements
+    disagree."""
+    planner = _planner()
+    _beside_root(planner, StepKind.DRAFT, [(1.4, 1.0)] * 10)
+    _beside_root(planner, StepKind.GUESSES, [(1.0, 1.0)] * 4)  # explored
+    for _ in range(10):
+        planner.observe_step(StepKind.DRAFT, 1.4, 1.0, alternatives=[
+            (StepKind.GUESSES, 1.65, 1.0), (StepKind.ROOT, 1, 1.0)])
+    planner.held = StepKind.GUESSES  # (it took over)
+    _beside_root(planner, StepKind.GUESSES, [(0.85, 1.0)] * 40)
+    assert planner.speed(StepKind.DRAFT) > 1.0 > planner.speed(StepKind.GUESSES)
+    assert planner.relative(StepKind.DRAFT, StepKind.GUESSES) < 1.0
+    assert planner.held is StepKind.DRAFT
+
+
 @pytest.mark.parametrize("draft_curve", [None, VerifyCost((1, 2, 4), (0.5, 0.6, 0.8))])
 def test_leaving_the_drafts_kind_must_repay_catching_up_on_return(
         draft_curve: VerifyCost | None) -> None:
@@ -1476,39 +1497,43 @@ def test_an_alternative_tree_is_decided_by_the_text_written_after_it() -> None:
     assert fresh().follow([5, 6, 7]) == 4
 
 
+@pytest.mark.parametrize("beside", ["decided", "priced", None])
 def test_the_ngram_kind_timed_beside_the_target_alone_takes_over_without_being_explored(
-        ) -> None:
+        beside: str | None) -> None:
     """The target alone has been running: the n-gram's kind measured at half its speed, its
     explorations so surely lost that its wait is at the longest, and no budget left. The
-    text turns repetitive: the n-gram's trees planned beside the target alone's steps,
-    decided by the text written after them, show it 1.5 times as fast. It takes over within
+    text turns repetitive: the n-gram's trees planned beside the target alone's steps show it
+    1.5 times as fast, greedy decided by the text written after them (``observe_aside``),
+    sampled priced by the step's own pass (an alternative of the step). It takes over within
     a few dozen steps, none of its own run to find out; without those timings it would not
     run again for hundreds of steps."""
-    for beside in (True, False):
-        planner = _planner()
-        _beside_root(planner, StepKind.GUESSES, [(1, 2.0)] * 6)
-        kinds = [StepKind.GUESSES, StepKind.ROOT]
-        while planner.held is not StepKind.ROOT:
-            planner.observe_step(StepKind.ROOT, 1, 1.0)
-        planner.every[StepKind.GUESSES] = EXPLORE_EVERY * MAX_BACKOFF
-        planner.regret = 1e9  # no budget: nothing explored for its own sake
-        taken = []
-        for _ in range(2 * EXPLORE_EVERY):
-            kind = planner.choose(kinds)
-            taken.append(kind)
-            if kind is StepKind.GUESSES:
-                planner.observe_step(kind, 3, 2.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
-                continue
-            planner.observe_step(kind, 1, 1.0)
-            if beside:
-                planner.observe_aside(StepKind.GUESSES, 3, 2.0, [(StepKind.ROOT, 1, 1.0)])
-        if beside:
-            first = taken.index(StepKind.GUESSES)
-            assert planner.held is StepKind.GUESSES and first < EXPLORE_EVERY
-            assert taken[first:] == [StepKind.GUESSES] * (len(taken) - first)
-            assert planner.speed(StepKind.GUESSES) == pytest.approx(1.5, rel=0.05)
-        else:
-            assert taken == [StepKind.ROOT] * len(taken)
+    planner = _planner()
+    _beside_root(planner, StepKind.GUESSES, [(1, 2.0)] * 6)
+    kinds = [StepKind.GUESSES, StepKind.ROOT]
+    while planner.held is not StepKind.ROOT:
+        planner.observe_step(StepKind.ROOT, 1, 1.0)
+    planner.every[StepKind.GUESSES] = EXPLORE_EVERY * MAX_BACKOFF
+    planner.regret = 1e9  # no budget: nothing explored for its own sake
+    taken = []
+    for _ in range(2 * EXPLORE_EVERY):
+        kind = planner.choose(kinds)
+        taken.append(kind)
+        if kind is StepKind.GUESSES:
+            planner.observe_step(kind, 3, 2.0, alternatives=[(StepKind.ROOT, 1, 1.0)])
+            continue
+        if beside == "priced":
+            planner.observe_step(kind, 1, 1.0, alternatives=[(StepKind.GUESSES, 3, 2.0)])
+            continue
+        planner.observe_step(kind, 1, 1.0)
+        if beside == "decided":
+            planner.observe_aside(StepKind.GUESSES, 3, 2.0, [(StepKind.ROOT, 1, 1.0)])
+    if beside:
+        first = taken.index(StepKind.GUESSES)
+        assert planner.held is StepKind.GUESSES and first < EXPLORE_EVERY
+        assert taken[first:] == [StepKind.GUESSES] * (len(taken) - first)
+        assert planner.speed(StepKind.GUESSES) == pytest.approx(1.5, rel=0.05)
+    else:
+        assert taken == [StepKind.ROOT] * len(taken)
 
 
 def test_greedy_target_alone_steps_time_the_ngram_tree_beside_them_and_stay_exact() -> None:
