@@ -323,6 +323,22 @@ class Missed:
         mean = self.tokens / self.steps
         return math.sqrt(max(self.squares / self.steps - mean * mean, 0.0) / self.steps)
 
+    def memory(self) -> list[float]:
+        return [self.tokens, self.seconds, self.steps, self.squares]
+
+    @classmethod
+    def recalled(cls, memory: Sequence[Any], steps: float) -> Missed:
+        """The sums of ``memory()``, weighing ``steps`` steps at most (their means kept);
+        ValueError for what is not four finite sums, the steps and squares not negative
+        (the misses themselves may be)."""
+        values = [float(x) for x in memory]
+        if len(values) != 4 or not all(math.isfinite(x) for x in values) or min(
+                values[2:]) < 0.0:
+            raise ValueError(f"not a choice's misses: {memory!r}")
+        tokens, seconds, seen, squares = values
+        k = shrink(seen, steps)
+        return cls(tokens * k, seconds * k, min(seen, steps), squares * k)
+
 
 @dataclasses.dataclass(slots=True)
 class Margin:
@@ -344,6 +360,16 @@ class Margin:
 
     drafted: Missed = dataclasses.field(default_factory=Missed)
     ngram: Missed = dataclasses.field(default_factory=Missed)
+
+    def memory(self) -> list[list[float]]:
+        return [self.drafted.memory(), self.ngram.memory()]
+
+    @classmethod
+    def recalled(cls, memory: Sequence[Any], steps: float) -> Margin:
+        """``memory()``'s two choices, each weighing ``steps`` steps at most; ValueError for
+        what cannot be read."""
+        drafted, ngram = memory
+        return cls(Missed.recalled(drafted, steps), Missed.recalled(ngram, steps))
 
 
 def _backoff(every: int, lost: bool) -> int:
@@ -680,11 +706,14 @@ class Planner:
     def memory(self) -> dict[str, Any]:
         """What this planner measured, as JSON-able data for a later run on the same models
         and machine (``recall``): each sampling's rates and paired timings of every kind, the
-        waits before exploring each, the kind that ran last, and the n-gram's hit rate."""
+        waits before exploring each, the kind that ran last, the n-gram's hit rate, how far
+        each greedy choice of the draft's kind measured from its estimate (``margins``), and
+        a target-alone step's time (``alone``)."""
         sampling = {name: measures for name, (measures, _) in self.stashed.items()}
         if self.greedy is not None:
             sampling[_sampling(self.greedy)] = self._measures()
-        return {"sampling": sampling, "ngram_hits": self.ngram_hits.memory()}
+        return {"sampling": sampling, "ngram_hits": self.ngram_hits.memory(),
+                "margins": [m.memory() for m in self.margins], "alone": self.alone.memory()}
 
     def recall(self, memory: Mapping[str, Any]) -> None:
         """Carry on from ``memory()`` of an earlier run, each measurement counting as
@@ -694,11 +723,18 @@ class Planner:
         try:
             sampling = {str(name): dict(m) for name, m in memory["sampling"].items()}
             hits = self.ngram_hits.recalled(memory["ngram_hits"], RECALL_STEPS)
+            # (an older version's memory has neither: they are measured afresh)
+            margins = [Margin.recalled(m, RECALL_STEPS) for m in memory.get("margins", [])]
+            if margins and len(margins) != len(self.margins):
+                raise ValueError(f"{len(margins)} margins, not {len(self.margins)}")
+            alone = (self.alone.recalled(memory["alone"], RECALL_STEPS) if "alone" in memory
+                     else self.alone)
         except (KeyError, TypeError, AttributeError, ValueError) as exc:
             raise ValueError(f"not a planner's memory: {exc!r}") from exc
         if self.elapsed > 0:
             return  # measured here already: newer than the memory
-        self.ngram_hits = hits
+        self.ngram_hits, self.alone = hits, alone
+        self.margins = margins or self.margins
         self.stashed = {name: (m, RECALL_STEPS) for name, m in sampling.items()}
         if self.greedy is not None:  # a reply's sampling is known: take its measurements
             greedy, self.greedy = self.greedy, None

@@ -1041,6 +1041,10 @@ def test_a_memory_is_taken_up_by_its_own_sampling_only() -> None:
     {}, {"sampling": {}}, {"sampling": [], "ngram_hits": [1, 2]},
     {"sampling": {}, "ngram_hits": [1.0, float("nan")]}, {"sampling": {}, "ngram_hits": [1]},
     {"sampling": {}, "ngram_hits": [-1.0, 2.0]}, {"sampling": {}, "ngram_hits": "no"},
+    {"sampling": {}, "ngram_hits": [1, 2], "margins": [[[0, 0, 1, 0], [0, 0, 1, 0]]]},
+    {"sampling": {}, "ngram_hits": [1, 2], "margins": [[[0, 0, -1, 0], [0, 0, 1, 0]]] * 3},
+    {"sampling": {}, "ngram_hits": [1, 2], "margins": [[[0, 0, 1, 0]]] * 3},
+    {"sampling": {}, "ngram_hits": [1, 2], "alone": [float("inf"), 1]},
 ])
 def test_a_memory_that_cannot_be_read_changes_nothing(memory) -> None:
     planner = _planner()
@@ -1048,6 +1052,41 @@ def test_a_memory_that_cannot_be_read_changes_nothing(memory) -> None:
     with pytest.raises(ValueError):
         planner.recall(memory)
     assert planner.memory() == before
+
+
+def test_a_new_run_keeps_how_far_each_greedy_choice_measured_from_its_estimate() -> None:
+    """Greedy with a draft model, each step of the draft's kind prices its choices from the
+    n-gram tree's estimate corrected by how far such steps measured (``Margin``), and the
+    target alone by what its steps take (``Planner.alone``). Both survive a restart through
+    ``memory`` (JSON), weighing ``RECALL_STEPS`` steps at most with their means kept, so a
+    new run prices its first steps as the last run measured instead of running the draft
+    until each bin is measured again; a memory from before they were kept leaves them to
+    be measured afresh."""
+    import json
+
+    old = _planner()
+    for k, margin in enumerate(old.margins):
+        for i in range(12):
+            margin.drafted.add(0.5 + k + (-1) ** i, 0.01 * k)
+            margin.ngram.add(-0.25 * k + 0.5 * (-1) ** i, 0.002)
+    for _ in range(8):
+        old.alone.add(0.06)
+    memory = json.loads(json.dumps(old.memory()))
+
+    new = _planner()
+    new.recall(memory)
+    for was, now in zip(old.margins, new.margins, strict=True):
+        for a, b in ((was.drafted, now.drafted), (was.ngram, now.ngram)):
+            assert b.measured and b.steps == pytest.approx(RECALL_STEPS) and a.steps > b.steps
+            assert b.mean() == pytest.approx(a.mean())
+            assert b.doubt() > a.doubt() > 0.0  # as sure as RECALL_STEPS steps
+    assert new.alone.value == pytest.approx(0.06)
+    assert new.alone.weight == pytest.approx(RECALL_STEPS)
+
+    older = _planner()
+    older.recall({k: v for k, v in memory.items() if k not in ("margins", "alone")})
+    assert not any(m.drafted.measured or m.ngram.measured for m in older.margins)
+    assert older.alone.weight == 0.0
 
 
 def test_broken_measurements_in_a_memory_are_measured_again() -> None:
