@@ -789,22 +789,10 @@ class Planner:
             # a time, and not aged by the steps between them: each exploration's few steps
             # would decide alone (one step emits 1 token, the next 6: far too few to tell
             # kinds a few percent apart)
-            if alt is StepKind.ROOT:
-                self.with_root(kind).add(tokens, ran, alt_tokens, alt_seconds)
-            elif kind is StepKind.ROOT:
-                # a tree priced beside a step of the target alone (sampled: ``aside``) is
-                # that kind's speed now, as a greedy one decided by the text is
-                # (``observe_aside``): kept as a pair against the target alone, not the
-                # other way round, where no kind's speed would read it
-                self.with_root(alt).add(alt_tokens, alt_seconds, tokens, ran)
-            else:
-                self.pairs.setdefault((kind, alt), Paired()).add(tokens, ran, alt_tokens,
-                                                                 alt_seconds)
+            self.pair(kind, tokens, ran, alt, alt_tokens, alt_seconds)
         for a, alt_a in enumerate(alternatives):  # the alternatives against each other
             for alt_b in alternatives[a + 1:]:
-                paired = (self.with_root(alt_a[0]) if alt_b[0] is StepKind.ROOT
-                          else self.pairs.setdefault((alt_a[0], alt_b[0]), Paired()))
-                paired.add(*alt_a[1:], *alt_b[1:])
+                self.pair(*alt_a, *alt_b)
         for k in StepKind:
             self.idle[k] = 0 if k is kind else self.idle[k] + 1
         if not exploring:
@@ -830,11 +818,22 @@ class Planner:
         kinds ``against`` ran or were timed, each (kind, tokens, seconds): paired with each
         as if ``kind`` had run beside it (against the target alone: ``with_root``)."""
         for other, other_tokens, other_seconds in against:
-            if other is StepKind.ROOT:
-                self.with_root(kind).add(tokens, seconds, other_tokens, other_seconds)
-            else:
-                self.pairs.setdefault((other, kind), Paired()).add(
-                    other_tokens, other_seconds, tokens, seconds)
+            self.pair(other, other_tokens, other_seconds, kind, tokens, seconds)
+
+    def pair(self, a: StepKind, a_tokens: float, a_seconds: float,
+             b: StepKind, b_tokens: float, b_seconds: float) -> None:
+        """``a`` and ``b`` timed on the same step, each as (tokens, seconds). Against the
+        target alone the timing is the other kind's speed now (``with_root``), whichever of
+        the two ran: a tree priced beside a target-alone step (sampled: ``aside``) counts as
+        one decided by the text does (``observe_aside``), where ``speed`` reads it. Otherwise
+        it is ``a`` against ``b``."""
+        if b is StepKind.ROOT:
+            self.with_root(a).add(a_tokens, a_seconds, b_tokens, b_seconds)
+        elif a is StepKind.ROOT:
+            self.with_root(b).add(b_tokens, b_seconds, a_tokens, a_seconds)
+        else:
+            self.pairs.setdefault((a, b), Paired()).add(a_tokens, a_seconds, b_tokens,
+                                                        b_seconds)
 
     def with_root(self, kind: StepKind) -> Paired:
         """``kind``'s timings against the target alone, to be added to at the step being
