@@ -3,9 +3,11 @@
 A drafter answers "what are the draft's logits after this path?" for tree paths (token tuples
 below the root). ``grow_tree`` asks for one tree level at a time, so a draft *model* answers each
 level with one batched decode. With a ``lookahead`` n-gram (stage 2), each draft batch also
-decodes the n-gram's guess of how the best path continues; when the draft later wants those
-nodes, their logits are already there and whole levels cost no draft call. The tree is exactly
-the one the draft alone would grow: the n-gram only changes *when* nodes are computed.
+decodes the n-gram's guess of how the best path continues, and ``grow_staged`` expands every
+node whose logits are known: a guessed spine the draft agrees with grows several levels, with
+their side branches, from one draft call. Every node's children are still the draft's (its
+best tokens, or draws from its distribution): the n-gram changes which nodes are decoded when,
+never what a node's children are drawn from.
 """
 
 from __future__ import annotations
@@ -413,27 +415,37 @@ def _counts(level: Sequence[_Slots], floor: float, at_least: int, room: int) -> 
 
 
 def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBudget,
-                expand: Expand | None = None, penalties: StepPenalties | None = None
-                ) -> DraftTree:
-    """Grow a greedy draft tree best-first, expanding every node whose answer is known.
+                params: SamplingParams, rng: np.random.Generator,
+                expand: Expand | None = None, penalties: StepPenalties | None = None,
+                floor: float = 0.0, at_least: int = 0) -> DraftTree:
+    """Grow a draft tree best-first, expanding every node whose answer is known.
 
-    A node is expanded (given its ``max_children`` best children) as soon as the draft's
-    answer for it is known and it is among the ``max_nodes`` best, whatever its depth: its
-    answer came from a draft batch that decoded it, or, with stage 2, from a batch that decoded
-    the n-gram's guess of how its parent continues. A guessed spine the draft agrees with
-    therefore yields its levels, with their side branches, from the one batch that checked it.
-    Only nodes with no known answer cost a draft batch (``expand`` says how many of the best
-    take the next one). Greedy only: which nodes grow here depends on the drafted tokens, which
-    greedy verification allows and sampled verification does not (``grow_tree``).
+    A node is expanded (given its child slots, as in ``grow_tree``) as soon as the draft's
+    answer for it is known, whatever its depth: its answer came from a draft batch that decoded
+    it, or, with stage 2, from a batch that decoded the n-gram's guess of how its parent
+    continues. A guessed spine the draft agrees with therefore yields its levels, with their
+    side branches, from the one batch that checked it. Only nodes with no known answer cost a
+    draft batch (``expand`` says how many of the best unexpanded ones take the next one).
+
+    Greedy: every slot of an expanded node among the ``max_nodes`` best becomes a child, and
+    the tree is cut to its best nodes at the end. Sampled: as in ``grow_tree``, how many
+    children a node gets is decided from its slots' scores (``floor``, ``at_least``, the room
+    left) when it is expanded, before they are drawn, and never revised. Which nodes expand
+    when then depends on other nodes' draws (a guessed child is known, a sibling is not), never
+    on the draws below the node itself, which is what exact tree verification needs
+    (``speculative.verify``).
     """
-    greedy = SamplingParams()
     tree = TokenTree.rooted(committed[-1])
+    q: dict[int, np.ndarray] = {}
+    candidates: list[float] = []
     answers: dict[int, Next] = {0: drafter.begin(committed)}
     expanded: set[int] = set()
+    grower = _Grower(tree, answers, expanded, budget, drafter, params, rng, q, candidates,
+                     penalties, floor, at_least)
     while True:
-        _expand_known(tree, answers, expanded, budget, drafter, greedy, penalties)
-        best = _by_score(tree, tree.top_nodes(budget.max_nodes))
-        frontier = [v for v in best
+        grower.expand_known()
+        best = tree.top_nodes(budget.max_nodes) if params.greedy else range(1, len(tree))
+        frontier = [v for v in _by_score(tree, set(best))
                     if v not in expanded and tree.depths[v] < budget.max_depth]
         if not frontier:
             break
@@ -448,29 +460,56 @@ def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBud
             log.debug("tree growth stopped: %s", exc)
             break
         answers.update(zip(frontier[:take], out, strict=True))
-    return _prune(tree, {}, tree.top_nodes(budget.max_nodes))
+    if not params.greedy:  # every node kept when it was added
+        return DraftTree(tree, q, candidates)
+    return _prune(tree, q, tree.top_nodes(budget.max_nodes))
 
 
-def _expand_known(tree: TokenTree, answers: dict[int, Next], expanded: set[int],
-                  budget: TreeBudget, drafter: ModelDrafter, params: SamplingParams,
-                  penalties: StepPenalties | None) -> None:
-    """Expand the root and every node among the best whose answer is known, until none is
-    left; children whose answers the drafter already holds (stage-2 guesses) join them."""
-    while True:
-        best = tree.top_nodes(budget.max_nodes) | {0}
-        ready = [u for u in best if u in answers and u not in expanded
-                 and tree.depths[u] < budget.max_depth]
-        if not ready:
-            return
-        for u in ready:
-            slots = _slots(tree, u, answers.pop(u), budget.max_children, params, drafter, {},
-                           penalties)
-            slots.place(tree, drafter, len(slots.scores), None)
-            expanded.add(u)
-            for c in tree.children[u]:
-                known = drafter.known(tree.path(c))
-                if known is not None:
-                    answers[c] = known
+@dataclasses.dataclass(slots=True)
+class _Grower:
+    """``grow_staged``'s tree and what it knows of it: the draft's answers for nodes not yet
+    expanded, the nodes expanded."""
+
+    tree: TokenTree
+    answers: dict[int, Next]
+    expanded: set[int]
+    budget: TreeBudget
+    drafter: ModelDrafter
+    params: SamplingParams
+    rng: np.random.Generator
+    q: dict[int, np.ndarray]
+    candidates: list[float]
+    penalties: StepPenalties | None
+    floor: float
+    at_least: int
+
+    def expand_known(self) -> None:
+        """Expand the root and every node (greedy: among the best) whose answer is known,
+        until none is left; children whose answers the drafter already holds (stage-2
+        guesses) join them. Sampled, each round's nodes share the room left best slot
+        first, as a level of ``grow_tree`` does."""
+        tree, budget = self.tree, self.budget
+        while True:
+            among = tree.top_nodes(budget.max_nodes) | {0} if self.params.greedy else None
+            ready = [u for u in self.answers if u not in self.expanded
+                     and tree.depths[u] < budget.max_depth and (among is None or u in among)]
+            if not ready:
+                return
+            level = [_slots(tree, u, self.answers.pop(u), budget.max_children, self.params,
+                            self.drafter, self.q, self.penalties) for u in sorted(ready)]
+            if self.params.greedy:
+                counts = [len(slots.scores) for slots in level]
+            else:
+                self.candidates += [c for slots in level for c in slots.scores]
+                counts = _counts(level, self.floor, self.at_least,
+                                 budget.max_nodes - (len(tree) - 1))
+            for slots, n in zip(level, counts, strict=True):
+                slots.place(tree, self.drafter, n, self.rng)
+                self.expanded.add(slots.node)
+                for c in tree.children[slots.node]:
+                    known = self.drafter.known(tree.path(c))
+                    if known is not None:
+                        self.answers[c] = known
 
 
 @dataclasses.dataclass(slots=True)

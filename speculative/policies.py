@@ -336,14 +336,14 @@ def _ms(cost: VerifyCost) -> dict[int, float]:
 
 def grow(drafter: Drafter, step: StepInput, expand: Expand | None, floor: float = 0.0,
          at_least: int = 0) -> DraftTree:
-    """The step's draft tree: greedy with stage-2 guesses, every node whose answer is known
-    grows (``grow_staged``: guessed spines cost no draft batch); otherwise one level per
-    batch (``grow_tree``; sampled, nodes scoring under ``floor`` are not drawn, the root's
-    first child whatever its score when ``at_least``)."""
+    """The step's draft tree: with stage-2 guesses, every node whose answer is known grows
+    (``grow_staged``: guessed spines cost no draft batch); otherwise one level per batch
+    (``grow_tree``). Sampled, nodes scoring under ``floor`` are not drawn, the root's first
+    child whatever its score when ``at_least``."""
     assert step.budget is not None
-    if (step.params.greedy and isinstance(drafter, ModelDrafter)
-            and drafter.lookahead is not None):
-        return grow_staged(drafter, step.committed, step.budget, expand, step.penalties)
+    if isinstance(drafter, ModelDrafter) and drafter.lookahead is not None:
+        return grow_staged(drafter, step.committed, step.budget, step.params, step.rng,
+                           expand, step.penalties, floor, at_least)
     return grow_tree(drafter, step.committed, step.budget, step.params, step.rng, expand,
                      step.penalties, floor, at_least)
 

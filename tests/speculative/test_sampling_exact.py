@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from speculative.costmodel import VerifyCost, paying_floor
-from speculative.drafting import DraftCounters, TreeBudget, grow_tree
+from speculative.drafting import DraftCounters, TreeBudget, grow_staged, grow_tree
 from speculative.engine import Engine
 from speculative.ngram import KatzTrigram
 from speculative.penalties import Penalizer
@@ -54,6 +54,44 @@ class TableDrafter:
         pass
 
 
+class GuessingDrafter(TableDrafter):
+    """A table draft with stage-2 guesses: each batch also answers the ``length`` tokens of
+    the draft's own most likely continuation of its first path, which ``known`` then gives
+    without a batch (as ``ModelDrafter`` does with the n-gram's guesses)."""
+
+    def __init__(self, table: np.ndarray, length: int) -> None:
+        super().__init__(table)
+        self.length = length
+        self.answered: set[tuple[int, ...]] = set()
+        self.hits = 0  # known answers the tree asked for
+
+    def begin(self, committed: Sequence[int]) -> np.ndarray:
+        self.counters = DraftCounters(calls=1)
+        self.answered = {()}
+        self._guess(())
+        return super().begin(committed)
+
+    def logits(self, paths):
+        missing = [p for p in paths if p not in self.answered]
+        if missing:
+            self.counters.calls += 1
+            self.answered.update(missing)
+            self._guess(missing[0])
+        return super().logits(paths)
+
+    def known(self, path) -> np.ndarray | None:
+        if path not in self.answered:
+            return None
+        self.hits += 1
+        return table_logits(self.table, [*self.committed, *path])
+
+    def _guess(self, after: tuple[int, ...]) -> None:
+        path = after
+        for _ in range(self.length):
+            path = (*path, int(np.argmax(table_logits(self.table, [*self.committed, *path]))))
+            self.answered.add(path)
+
+
 def exact_joint(params: SamplingParams, prompt: Sequence[int] = PROMPT) -> np.ndarray:
     """The target's joint distribution of the next two tokens, penalised by the reference."""
     def dist(history: list[int]) -> np.ndarray:
@@ -75,7 +113,8 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
     """Two tokens by tree speculative sampling. With ``sizing``, each tree keeps the nodes
     scoring at least what one more node needed to pay at the best cut of the *previous*
     tree's candidates (``paying_floor``), as the engine sizes sampled trees
-    (``Resources.floor``)."""
+    (``Resources.floor``). A ``GuessingDrafter``'s trees grow as stage 2 grows them
+    (``grow_staged``)."""
     committed, out = list(prompt), []
     penalizer = Penalizer(params, n_vocab=V) if params.penalized else None
     while len(out) < 2:
@@ -83,8 +122,9 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
         floor = 0.0
         if sizing is not None and sizing.get("previous"):
             floor = paying_floor(sizing["previous"], sizing["cost"], 0.0, 1.0)
-        draft = grow_tree(drafter, committed, budget, params, rng, penalties=penalties,
-                          floor=floor, at_least=1)
+        grow = grow_staged if isinstance(drafter, GuessingDrafter) else grow_tree
+        draft = grow(drafter, committed, budget, params, rng, penalties=penalties,
+                     floor=floor, at_least=1)
         if sizing is not None:
             sizing["previous"] = draft.basis()
         tree = draft.tree
@@ -97,33 +137,45 @@ def sample_two(drafter: TableDrafter, budget: TreeBudget, params: SamplingParams
     return out[0], out[1]
 
 
-def _count_pairs(job: tuple) -> np.ndarray:
-    noise, budget, params, cost, seed, n, prompt = job
-    drafter = TableDrafter(noisy(TARGET, seed=7, noise=noise).astype(np.float32))
+def _count_pairs(job: tuple) -> tuple[np.ndarray, int]:
+    noise, budget, params, cost, seed, n, prompt, guesses = job
+    table = noisy(TARGET, seed=7, noise=noise).astype(np.float32)
+    drafter = GuessingDrafter(table, guesses) if guesses else TableDrafter(table)
     rng = np.random.default_rng(seed)
     sizing = {"cost": cost} if cost is not None else None
     counts = np.zeros((V, V), dtype=np.int64)
     for _ in range(n):
         a, b = sample_two(drafter, budget, params, rng, sizing, prompt)
         counts[a, b] += 1
-    return counts
+    return counts, getattr(drafter, "hits", 0)
 
 
 def count_pairs(noise: float, budget: TreeBudget, params: SamplingParams, seed: int,
                 n: int = 100_000, cost: VerifyCost | None = None,
-                prompt: Sequence[int] = PROMPT) -> np.ndarray:
+                prompt: Sequence[int] = PROMPT, guesses: int = 0) -> np.ndarray:
     """Counts of the first two tokens over ``n`` runs of ``sample_two`` (a draft of the given
-    noise; with ``cost``, trees sized as the engine sizes them), split over up to two worker
+    noise; with ``cost``, trees sized as the engine sizes them; with ``guesses``, a
+    ``GuessingDrafter`` guessing that many tokens a batch), split over up to two worker
     processes with independent random streams spawned from ``seed``."""
+    counts, _ = count_pairs_and_hits(noise, budget, params, seed, n, cost, prompt, guesses)
+    return counts
+
+
+def count_pairs_and_hits(noise: float, budget: TreeBudget, params: SamplingParams, seed: int,
+                         n: int = 100_000, cost: VerifyCost | None = None,
+                         prompt: Sequence[int] = PROMPT, guesses: int = 0
+                         ) -> tuple[np.ndarray, int]:
+    """``count_pairs``, and how many answers the trees took from stage-2 guesses."""
     workers = max(1, min(2, os.cpu_count() or 1))
     streams = np.random.SeedSequence(seed).spawn(workers)
-    jobs = [(noise, budget, params, cost, s, n // workers + (i < n % workers), tuple(prompt))
-            for i, s in enumerate(streams)]
+    jobs = [(noise, budget, params, cost, s, n // workers + (i < n % workers), tuple(prompt),
+             guesses) for i, s in enumerate(streams)]
     if workers == 1:
         return _count_pairs(jobs[0])
     # spawn, not fork: the test process may hold Qt and llama.cpp threads
     with ProcessPoolExecutor(workers, mp_context=multiprocessing.get_context("spawn")) as pool:
-        return sum(pool.map(_count_pairs, jobs))
+        results = list(pool.map(_count_pairs, jobs))
+    return sum(c for c, _ in results), sum(h for _, h in results)
 
 
 def chi_square_ok(counts: np.ndarray, probs: np.ndarray, p_value: float = 1e-4) -> tuple:
@@ -198,6 +250,29 @@ def test_trees_sized_by_the_cost_model_stay_exact() -> None:
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
 
 
+STAGED_CASES = [
+    # (temperature, top_k, draft noise, budget, cost curve sizing the trees)
+    # little room: a guessed first child expands at once and takes room its siblings' children
+    # would have had
+    (1.0, 0, 0.5, TreeBudget(3, 2, 2), None),
+    (0.7, 3, 1.0, TreeBudget(5, 2, 3), None),
+    (1.0, 6, 1.0, TreeBudget(6, 2, 3), VerifyCost((1, 2, 4, 8), (1.0, 1.25, 1.6, 2.6))),
+]
+
+
+@pytest.mark.parametrize("case", STAGED_CASES, ids=["room", "top-k", "sized"])
+def test_sampled_trees_grown_from_stage2_guesses_stay_exact(case) -> None:
+    """Stage 2 grows a sampled tree's guessed nodes as soon as their answers are known, so
+    which nodes grow when depends on what was drawn (a drawn child the guess named grows before
+    its siblings); each node's number of children is still fixed before they are drawn."""
+    temp, top_k, noise, budget, cost = case
+    params = SamplingParams(temperature=temp, top_k=top_k)
+    counts, hits = count_pairs_and_hits(noise, budget, params, seed=31, cost=cost, guesses=2)
+    assert hits > 10_000  # the guesses were drawn and grew (a second token of most pairs)
+    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
 def _level_draft() -> tuple[np.ndarray, np.ndarray]:
     """A draft and a target where a first child's draft continuation is sure after tokens
     0-3 and flat after 4-7, the draft likes 0-3 at the root and the target 4-7: which of
@@ -213,13 +288,14 @@ def _level_draft() -> tuple[np.ndarray, np.ndarray]:
 
 
 def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: int,
-                  seed: int) -> tuple[np.ndarray, np.ndarray]:
+                  seed: int, guesses: int = 0) -> tuple[np.ndarray, np.ndarray]:
     """Counts of the first token over ``n`` steps after [3, 5] whose trees a sizer-like rule
     grows (a level is expanded while the frontier's summed score is high), kept at ``floor``
     while growing, or (``cut_after``) cut to their best nodes once grown; and the target's
-    distribution."""
+    distribution. With ``guesses``, stage 2 grows the trees (``grow_staged``)."""
     draft, target = _level_draft()
-    drafter = TableDrafter(draft)
+    drafter = GuessingDrafter(draft, guesses) if guesses else TableDrafter(draft)
+    grow = grow_staged if guesses else grow_tree
     params = SamplingParams(temperature=1.0)
 
     def expand(tree, frontier, depth):
@@ -229,7 +305,7 @@ def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: in
     rng = np.random.default_rng(seed)
     counts = np.zeros(V, dtype=np.int64)
     for _ in range(n):
-        grown = grow_tree(drafter, PROMPT, budget, params, rng, expand, floor=floor)
+        grown = grow(drafter, PROMPT, budget, params, rng, expand, floor=floor)
         if cut_after is not None:
             grown = grown.best(cut_after)
         tree = grown.tree
@@ -240,13 +316,15 @@ def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: in
     return counts, distribution(table_logits(target, PROMPT), params)
 
 
-@pytest.mark.parametrize("budget, floor", [(TreeBudget(3, 3, 2), 0.0),
-                                           (TreeBudget(16, 3, 2), 0.16)],
-                         ids=["room", "floor"])
-def test_sampled_trees_sized_as_they_grow_stay_exact(budget, floor) -> None:
+@pytest.mark.parametrize("budget, floor, guesses", [(TreeBudget(3, 3, 2), 0.0, 0),
+                                                    (TreeBudget(16, 3, 2), 0.16, 0),
+                                                    (TreeBudget(3, 3, 2), 0.0, 2)],
+                         ids=["room", "floor", "stage 2"])
+def test_sampled_trees_sized_as_they_grow_stay_exact(budget, floor, guesses) -> None:
     """A sampled tree decides how many children a node gets before drawing them: sized by
-    the room left or by a floor on the score, whatever grows below, it stays exact."""
-    counts, want = _first_tokens(budget, floor, None, 60_000, seed=3)
+    the room left or by a floor on the score, whatever grows below, it stays exact; so does
+    one whose guessed nodes grow first (stage 2), taking room from their siblings."""
+    counts, want = _first_tokens(budget, floor, None, 60_000, seed=3, guesses=guesses)
     ok, stat, critical, dof = chi_square_ok(counts, want)
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
 
