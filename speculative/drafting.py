@@ -436,17 +436,13 @@ def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBud
     (``speculative.verify``).
     """
     tree = TokenTree.rooted(committed[-1])
-    q: dict[int, np.ndarray] = {}
-    candidates: list[float] = []
-    answers: dict[int, Next] = {0: drafter.begin(committed)}
-    expanded: set[int] = set()
-    grower = _Grower(tree, answers, expanded, budget, drafter, params, rng, q, candidates,
-                     penalties, floor, at_least)
+    grower = _Grower(tree, {0: drafter.begin(committed)}, set(), budget, drafter, params, rng,
+                     {}, [], penalties, floor, at_least)
     while True:
         grower.expand_known()
         best = tree.top_nodes(budget.max_nodes) if params.greedy else range(1, len(tree))
         frontier = [v for v in _by_score(tree, set(best))
-                    if v not in expanded and tree.depths[v] < budget.max_depth]
+                    if v not in grower.expanded and tree.depths[v] < budget.max_depth]
         if not frontier:
             break
         take = len(frontier)
@@ -459,16 +455,17 @@ def grow_staged(drafter: ModelDrafter, committed: Sequence[int], budget: TreeBud
         except DraftExhausted as exc:
             log.debug("tree growth stopped: %s", exc)
             break
-        answers.update(zip(frontier[:take], out, strict=True))
+        grower.answers.update(zip(frontier[:take], out, strict=True))
     if not params.greedy:  # every node kept when it was added
-        return DraftTree(tree, q, candidates)
-    return _prune(tree, q, tree.top_nodes(budget.max_nodes))
+        return DraftTree(tree, grower.q, grower.candidates)
+    return _prune(tree, grower.q, tree.top_nodes(budget.max_nodes))
 
 
 @dataclasses.dataclass(slots=True)
 class _Grower:
     """``grow_staged``'s tree and what it knows of it: the draft's answers for nodes not yet
-    expanded, the nodes expanded."""
+    expanded, the nodes expanded, and (sampled) each expanded node's q and every child slot's
+    score (``DraftTree.q``, ``DraftTree.candidates``)."""
 
     tree: TokenTree
     answers: dict[int, Next]

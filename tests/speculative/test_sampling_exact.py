@@ -268,7 +268,7 @@ def test_sampled_trees_grown_from_stage2_guesses_stay_exact(case) -> None:
     temp, top_k, noise, budget, cost = case
     params = SamplingParams(temperature=temp, top_k=top_k)
     counts, hits = count_pairs_and_hits(noise, budget, params, seed=31, cost=cost, guesses=2)
-    assert hits > 10_000  # the guesses were drawn and grew (a second token of most pairs)
+    assert hits > 50_000  # the trees took answers from guesses, about two a sample here
     ok, stat, critical, dof = chi_square_ok(counts, exact_joint(params))
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
 
