@@ -372,14 +372,7 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     for depth in range(1, budget.max_depth + 1):
         level = [_slots(tree, u, logits, budget.max_children, params, drafter, q, penalties)
                  for u, logits in zip(frontier, dists, strict=True)]
-        if params.greedy:
-            for slots in level:
-                slots.place(tree, drafter, len(slots.scores), rng)
-        else:
-            candidates += [c for slots in level for c in slots.scores]
-            room = budget.max_nodes - (len(tree) - 1)
-            for slots, n in zip(level, _counts(level, floor, at_least, room), strict=True):
-                slots.place(tree, drafter, n, rng)
+        _place(tree, level, drafter, params, rng, budget, floor, at_least, candidates)
         best = tree.top_nodes(budget.max_nodes)
         frontier = [v for v in _by_score(tree, best) if tree.depths[v] == depth]
         if expand is not None and frontier and depth < budget.max_depth:
@@ -394,6 +387,21 @@ def grow_tree(drafter: Drafter, committed: Sequence[int], budget: TreeBudget,
     if not params.greedy:  # every node kept when it was added
         return DraftTree(tree, q, candidates)
     return _prune(tree, q, tree.top_nodes(budget.max_nodes))
+
+
+def _place(tree: TokenTree, level: Sequence[_Slots], drafter: Drafter, params: SamplingParams,
+           rng: np.random.Generator, budget: TreeBudget, floor: float, at_least: int,
+           candidates: list[float]) -> None:
+    """Give the nodes of ``level`` their children: greedy, every slot (the tree is cut once
+    grown); sampled, as many as ``_counts`` decides before any is drawn, every slot's score
+    kept in ``candidates``."""
+    if params.greedy:
+        counts = [len(slots.scores) for slots in level]
+    else:
+        candidates += [c for slots in level for c in slots.scores]
+        counts = _counts(level, floor, at_least, budget.max_nodes - (len(tree) - 1))
+    for slots, n in zip(level, counts, strict=True):
+        slots.place(tree, drafter, n, rng)
 
 
 def _counts(level: Sequence[_Slots], floor: float, at_least: int, room: int) -> list[int]:
@@ -494,14 +502,9 @@ class _Grower:
                 return
             level = [_slots(tree, u, self.answers.pop(u), budget.max_children, self.params,
                             self.drafter, self.q, self.penalties) for u in sorted(ready)]
-            if self.params.greedy:
-                counts = [len(slots.scores) for slots in level]
-            else:
-                self.candidates += [c for slots in level for c in slots.scores]
-                counts = _counts(level, self.floor, self.at_least,
-                                 budget.max_nodes - (len(tree) - 1))
-            for slots, n in zip(level, counts, strict=True):
-                slots.place(tree, self.drafter, n, self.rng)
+            _place(tree, level, self.drafter, self.params, self.rng, budget, self.floor,
+                   self.at_least, self.candidates)
+            for slots in level:
                 self.expanded.add(slots.node)
                 for c in tree.children[slots.node]:
                     known = self.drafter.known(tree.path(c))
