@@ -287,20 +287,47 @@ def _level_draft() -> tuple[np.ndarray, np.ndarray]:
     return draft.astype(np.float32), target.astype(np.float32)
 
 
+def _guess_draft() -> tuple[np.ndarray, np.ndarray]:
+    """A draft and a target where stage 2's guess decides what grows: after [3, 5] the draft
+    likes 0 (its guess, about as likely as 1, and flat below it) and 1 (sure below it, level
+    after level); the target likes 0 and hardly 1. A second child that is not the guess
+    stays in the frontier at its own score; the guess, known at once, expands there, its
+    flat children adding far less. Whether the frontier is worth a batch, and so whether a
+    sure first child 1 grows a spine that outranks its sibling, then depends on the
+    sibling's own draw."""
+    sure = np.log(np.array([250.0, 1, 1, 1, 1, 1, 1, 1]))
+    draft, target = np.zeros((V, V, V)), np.zeros((V, V, V))
+    draft[3, 5] = np.log(np.array([0.30, 0.28] + [0.07] * 6))
+    draft[5, 1] = draft[1, 0] = draft[0, 0] = sure  # below 1: 0, then 0 again, each sure
+    # (below the guess 0, [5, 0]: flat)
+    target[3, 5] = np.log(np.array([0.45, 0.02] + [0.53 / 6] * 6))
+    return draft.astype(np.float32), target.astype(np.float32)
+
+
+def _by_level(tree, frontier, depth) -> int:
+    """A sizer-like rule: the first level always, a deeper one while the frontier's summed
+    score is high."""
+    total = sum(tree.scores[v] for v in frontier)
+    return len(frontier) if depth == 1 or total >= 0.25 else 0
+
+
+def _while_worth(tree, frontier, depth) -> int:
+    """The whole frontier while its summed score is high, at any depth."""
+    return len(frontier) if sum(tree.scores[v] for v in frontier) >= 0.5 else 0
+
+
 def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: int,
-                  seed: int, guesses: int = 0) -> tuple[np.ndarray, np.ndarray]:
-    """Counts of the first token over ``n`` steps after [3, 5] whose trees a sizer-like rule
-    grows (a level is expanded while the frontier's summed score is high), kept at ``floor``
-    while growing, or (``cut_after``) cut to their best nodes once grown; and the target's
-    distribution. With ``guesses``, stage 2 grows the trees (``grow_staged``)."""
-    draft, target = _level_draft()
+                  seed: int, guesses: int = 0, tables=_level_draft, expand=_by_level,
+                  ) -> tuple[np.ndarray, np.ndarray, int]:
+    """Counts of the first token over ``n`` steps after [3, 5] whose trees ``expand`` grows
+    (by default ``_level_draft``'s tables, a level at a time), kept at ``floor`` while
+    growing, or (``cut_after``) cut to their best nodes once grown; the target's
+    distribution; and how many answers the trees took from guesses. With ``guesses``, stage
+    2 grows the trees (``grow_staged``)."""
+    draft, target = tables()
     drafter = GuessingDrafter(draft, guesses) if guesses else TableDrafter(draft)
     grow = grow_staged if guesses else grow_tree
     params = SamplingParams(temperature=1.0)
-
-    def expand(tree, frontier, depth):
-        total = sum(tree.scores[v] for v in frontier)
-        return len(frontier) if depth == 1 or total >= 0.25 else 0
 
     rng = np.random.default_rng(seed)
     counts = np.zeros(V, dtype=np.int64)
@@ -313,7 +340,8 @@ def _first_tokens(budget: TreeBudget, floor: float, cut_after: int | None, n: in
                            for i in range(len(tree))])
         verdict = verify_sampling(tree, logits, grown.q, params, rng)
         counts[tree.tokens[verdict.accepted[0]] if verdict.accepted else verdict.next_token] += 1
-    return counts, distribution(table_logits(target, PROMPT), params)
+    hits = drafter.hits if isinstance(drafter, GuessingDrafter) else 0
+    return counts, distribution(table_logits(target, PROMPT), params), hits
 
 
 @pytest.mark.parametrize("budget, floor, guesses", [(TreeBudget(3, 3, 2), 0.0, 0),
@@ -324,7 +352,7 @@ def test_sampled_trees_sized_as_they_grow_stay_exact(budget, floor, guesses) -> 
     """A sampled tree decides how many children a node gets before drawing them: sized by
     the room left or by a floor on the score, whatever grows below, it stays exact; so does
     one whose guessed nodes grow first (stage 2), taking room from their siblings."""
-    counts, want = _first_tokens(budget, floor, None, 60_000, seed=3, guesses=guesses)
+    counts, want, _ = _first_tokens(budget, floor, None, 60_000, seed=3, guesses=guesses)
     ok, stat, critical, dof = chi_square_ok(counts, want)
     assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
 
@@ -333,9 +361,41 @@ def test_a_sampled_tree_cut_to_its_best_nodes_after_growing_is_biased() -> None:
     """The check above can fail: cut to its 3 best nodes once grown, a root's second child
     is kept less often when its own continuation is sure (then the first child's subtree
     grew deeper and outranks it), so its draw is no longer the draft's."""
-    counts, want = _first_tokens(TreeBudget(16, 3, 2), 0.0, 3, 60_000, seed=3)
+    counts, want, _ = _first_tokens(TreeBudget(16, 3, 2), 0.0, 3, 60_000, seed=3)
     ok, *_ = chi_square_ok(counts, want)
     assert not ok
+
+
+@pytest.mark.parametrize("budget", [TreeBudget(2, 3, 2), TreeBudget(16, 3, 2)],
+                         ids=["room", "grown"])
+def test_sampled_stage2_trees_stay_exact_where_the_guess_decides_what_grows(budget) -> None:
+    """Which nodes grow depends on which child the guess named (``_guess_draft``); each
+    node's number of children is still fixed before they are drawn, and the first token is
+    the target's. With room for two nodes this is the case that fails if stage 2 gave a
+    sampled tree every slot and cut it to its best nodes at the end, greedy's way (the
+    second child kept only where it was the guess)."""
+    counts, want, hits = _first_tokens(budget, 0.0, None, 40_000, seed=5, guesses=1,
+                                       tables=_guess_draft, expand=_while_worth)
+    assert hits > 10_000  # the guess is one of the root's two draws in about half the trees
+    ok, stat, critical, dof = chi_square_ok(counts, want)
+    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+
+
+@pytest.mark.parametrize("guesses, biased", [(1, True), (0, False)],
+                         ids=["stage 2", "one level a batch"])
+def test_a_stage2_tree_cut_to_its_best_nodes_after_growing_is_biased(guesses, biased
+                                                                     ) -> None:
+    """The check above can fail in stage 2's own way: grown as far as the frontier is worth
+    a batch and then cut to its two best nodes, a sure first child's spine outranks its
+    sibling exactly when the sibling was not the guess (a guessed sibling expands at once
+    and leaves the frontier too weak for a batch), so the second child is the draft's draw
+    no more. Without guesses the same tables and cut are not biased: what separates the
+    two is the guess."""
+    counts, want, _ = _first_tokens(TreeBudget(16, 3, 2), 0.0, 2, 40_000, seed=5,
+                                    guesses=guesses, tables=_guess_draft,
+                                    expand=_while_worth)
+    ok, *_ = chi_square_ok(counts, want)
+    assert ok is not biased
 
 
 def test_chi_square_check_detects_a_biased_sampler() -> None:
