@@ -343,7 +343,8 @@ class Engine:
         single = self._single_pass(batch, shape_before, t2 - t1)
         plain = self._plain_per_token(batch, single, t3 - t0 - (t2 - t1) - drafting)
         stats = StepStats.timed(plan.counters, len(plan.tree.tree) - 1, len(verdict.accepted),
-                                verdict.offered, t0, t1, t2, t3, batch, plain)
+                                verdict.offered, t0, t1, t2, t3, batch, plain,
+                                plan.kind.value)
         if redecoded:
             stats = dataclasses.replace(stats, redecoded=redecoded)
         if penalties is not None:

@@ -37,6 +37,9 @@ class StepStats:
     # later tokens would fill: see Engine._commit)
     redecoded: int = 0
     t_penalties: float = 0.0  # seconds penalising logits (already inside draft and verify)
+    # the kind of step its policy took (``plan.StepKind``'s value: the target alone, the
+    # n-gram's tree, the draft model's), as ``auto`` chooses and measures them; "" if none
+    kind: str = ""
 
     @property
     def seconds(self) -> float:
@@ -45,18 +48,18 @@ class StepStats:
     @classmethod
     def timed(cls, drafting: Any, drafted: int, accepted: int, offered: int, t0: float,
               t1: float, t2: float, t3: float, batch: int = 0,
-              plain_per_token: float = 0.0) -> StepStats:
+              plain_per_token: float = 0.0, kind: str = "") -> StepStats:
         """A step's statistics from what drafting cost (``drafting.DraftCounters``) and the
         clock read at its start, when its tree was planned, verified and committed;
         ``plain_per_token``: what one token of plain decoding costs at this moment (0:
-        unknown)."""
+        unknown); ``kind``: the kind of step."""
         return cls(
             drafted=drafted, accepted=accepted, offered=offered, emitted=accepted + 1,
             origins={}, draft_calls=drafting.calls, stage2_proposed=drafting.stage2_proposed,
             stage2_used=drafting.stage2_used, t_draft=drafting.t_draft,
             t_stage2=drafting.t_stage2, t_verify=t2 - t1,
             t_other=max(0.0, (t1 - t0) - drafting.t_draft - drafting.t_stage2) + (t3 - t2),
-            batch=batch, t_plain=(accepted + 1) * plain_per_token)
+            batch=batch, t_plain=(accepted + 1) * plain_per_token, kind=kind)
 
     @classmethod
     def empty(cls) -> StepStats:
@@ -160,6 +163,19 @@ class RunStats:
                 return 0.0
         return plain
 
+    def kinds(self) -> dict[str, dict[str, float]]:
+        """By kind of step (``StepStats.kind``, those that ran): the steps, the tokens they
+        emitted and their seconds. ``auto`` switches between kinds; which ran, and how fast
+        each ran where it did, is what its speed is made of."""
+        out: dict[str, dict[str, float]] = {}
+        for s in self.steps:
+            if s.kind:
+                k = out.setdefault(s.kind, {"steps": 0, "tokens": 0, "seconds": 0.0})
+                k["steps"] += 1
+                k["tokens"] += s.emitted
+                k["seconds"] += s.seconds
+        return out
+
     def time_split(self) -> dict[str, float]:
         return {k: sum(getattr(s, f"t_{k}") for s in self.steps)
                 for k in ("draft", "stage2", "verify", "other")}
@@ -201,6 +217,7 @@ class RunStats:
             "node_acceptance": self.node_acceptance,
             "depth_acceptance": self.depth_acceptance(),
             "origins": self.origins(),
+            "kinds": self.kinds(),
             "draft_calls_per_step": self.draft_calls_per_step,
             "draft_seconds_per_accepted": self.draft_seconds_per_accepted,
             "stage2_hit_rate": self.stage2_hit_rate,

@@ -364,6 +364,7 @@ def summarize(cell: Cell, pair: ModelPair) -> dict[str, Any]:
             "stage2_hit_rate": everything.stage2_hit_rate,
             "depth_acceptance": everything.depth_acceptance()[:8],
             "origins": everything.origins(), "time": everything.time_split(),
+            "kinds": everything.kinds(),
             "identical": (f"{same}/{total}" + (f" +{ties} ties" if ties else "")
                           if greedy else None),
             "ties": ties if greedy else None,
@@ -570,6 +571,7 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                          f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}"
                          f"{s['draft_ms_per_accepted']:>8.1f}  "
                          f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
+        lines += _kinds(cell)
         for s in (cell.get("native") or {}).values():
             lo, hi = s["speedup_range"]
             accept = f"accepts {s['accept']:.0%}" if s["accept"] is not None else ""
@@ -600,6 +602,27 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                 extra = f", acceptance {p['accept']:.0%}" if p.get("accept") is not None else ""
                 lines.append(f"  {name}: {p['tokens_per_second']:.1f} tok/s{extra}")
     return "\n".join(lines)
+
+
+KIND_NAMES = {"draft": "draft's tree", "guesses": "n-gram's tree", "root": "target alone"}
+
+
+def _kinds(cell: dict[str, Any]) -> list[str]:
+    """For each mode whose steps were of more than one kind (``auto``): the share of its steps
+    each kind took, and its milliseconds a token where it ran (repeats pooled). Kinds run on
+    different stretches of text, so their times compare the stretches as well as the kinds."""
+    lines = []
+    for mode, s in cell["modes"].items():
+        kinds = s.get("kinds") or {}
+        if len(kinds) < 2:
+            continue
+        steps = sum(k["steps"] for k in kinds.values())
+        parts = [f"{KIND_NAMES.get(name, name)} {k['steps'] / steps:.0%}"
+                 + (f" ({1000 * k['seconds'] / k['tokens']:.1f} ms a token)" if k["tokens"]
+                    else "")
+                 for name, k in sorted(kinds.items(), key=lambda nk: -nk[1]["steps"])]
+        lines.append(f"  {mode}'s steps by kind: " + ", ".join(parts))
+    return lines
 
 
 def _penalty_cost(report: dict[str, Any]) -> list[str]:
@@ -661,6 +684,8 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
         if cell.get("native_unavailable"):
             lines.append(f"| llama-speculative | could not run: {cell['native_unavailable']} "
                          "|||||||||| ")
+        kinds = _kinds(cell)
+        lines += ["", *(line.strip() for line in kinds)] if kinds else []
         lines.append("")
     for name, p in report.get("peers", {}).items():
         what = (f"could not run: {p['unavailable']}" if "unavailable" in p

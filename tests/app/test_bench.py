@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from app.tools.bench import load_prompts
+from app.tools.bench import _kinds, load_prompts
 from app.tools.cli import main
 
 
@@ -41,6 +41,25 @@ def test_bench_reports_every_mode_against_plain_with_the_ceiling(tiny_models, tm
     oracle = modes["oracle"]
     assert oracle["ceiling_share"] == 1.0 and oracle["tau"] > 1.0
     assert modes["tree"]["ceiling_share"] == modes["tree"]["speedup"] / oracle["speedup"]
+    # every step counted under the kind its policy took, plain's all the target alone
+    assert set(modes["plain"]["kinds"]) == {"root"}
+    for s in modes.values():
+        kinds = s["kinds"].values()
+        assert set(s["kinds"]) <= {"root", "guesses", "draft"}
+        assert sum(k["tokens"] for k in kinds) / sum(k["steps"] for k in kinds) == (
+            pytest.approx(s["tau"]))
+        assert sum(k["seconds"] for k in kinds) == pytest.approx(sum(s["time"].values()))
+
+
+def test_the_report_says_what_share_of_autos_steps_each_kind_took() -> None:
+    """A mode whose steps were of more than one kind gets a line: each kind's share of its
+    steps, most first, and its milliseconds a token; a mode of one kind gets none."""
+    cell = {"modes": {
+        "staged": {"kinds": {"draft": {"steps": 10, "tokens": 30, "seconds": 1.5}}},
+        "auto": {"kinds": {"root": {"steps": 10, "tokens": 10, "seconds": 0.6},
+                           "draft": {"steps": 30, "tokens": 90, "seconds": 4.5}}}}}
+    assert _kinds(cell) == ["  auto's steps by kind: draft's tree 75% (50.0 ms a token), "
+                            "target alone 25% (60.0 ms a token)"]
 
 
 def test_bench_sampled_has_no_ceiling_and_prints_a_table(tiny_models, tmp_path, capsys) -> None:
