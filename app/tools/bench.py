@@ -604,17 +604,21 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
     return "\n".join(lines)
 
 
-KIND_NAMES = {"draft": "draft's tree", "guesses": "n-gram's tree", "root": "target alone"}
+# greedy, a step of the draft's kind may verify the n-gram's tree alone, or the root alone,
+# where that was priced faster before running the draft (``AutoPolicy.without_draft``)
+KIND_NAMES = {"draft": "draft's kind", "guesses": "n-gram's tree", "root": "target alone"}
 
 
 def _kinds(cell: dict[str, Any]) -> list[str]:
-    """For each mode whose steps were of more than one kind (``auto``): the share of its steps
-    each kind took, and its milliseconds a token where it ran (repeats pooled). Kinds run on
-    different stretches of text, so their times compare the stretches as well as the kinds."""
+    """Where ``auto`` took steps of more than one kind: the share of its steps each kind took,
+    and its milliseconds a token where it ran (repeats pooled). Kinds run on different
+    stretches of text, so their times compare the stretches as well as the kinds. (A fixed
+    mode's steps have kinds too, in the JSON, but they name what happened, not a choice: a
+    ``staged`` step whose tree needed no draft batch counts as the n-gram's.)"""
     lines = []
     for mode, s in cell["modes"].items():
         kinds = s.get("kinds") or {}
-        if len(kinds) < 2:
+        if mode != "auto" or len(kinds) < 2:
             continue
         steps = sum(k["steps"] for k in kinds.values())
         parts = [f"{KIND_NAMES.get(name, name)} {k['steps'] / steps:.0%}"

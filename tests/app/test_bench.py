@@ -52,13 +52,15 @@ def test_bench_reports_every_mode_against_plain_with_the_ceiling(tiny_models, tm
 
 
 def test_the_report_says_what_share_of_autos_steps_each_kind_took() -> None:
-    """A mode whose steps were of more than one kind gets a line: each kind's share of its
-    steps, most first, and its milliseconds a token; a mode of one kind gets none."""
+    """``auto``, where its steps were of more than one kind, gets a line: each kind's share of
+    its steps, most first, and its milliseconds a token; a fixed mode gets none (its kinds
+    name what happened, not a choice)."""
     cell = {"modes": {
-        "staged": {"kinds": {"draft": {"steps": 10, "tokens": 30, "seconds": 1.5}}},
+        "staged": {"kinds": {"draft": {"steps": 10, "tokens": 30, "seconds": 1.5},
+                             "guesses": {"steps": 1, "tokens": 2, "seconds": 0.1}}},
         "auto": {"kinds": {"root": {"steps": 10, "tokens": 10, "seconds": 0.6},
                            "draft": {"steps": 30, "tokens": 90, "seconds": 4.5}}}}}
-    assert _kinds(cell) == ["  auto's steps by kind: draft's tree 75% (50.0 ms a token), "
+    assert _kinds(cell) == ["  auto's steps by kind: draft's kind 75% (50.0 ms a token), "
                             "target alone 25% (60.0 ms a token)"]
 
 

@@ -372,8 +372,8 @@ def test_sampled_stage2_trees_stay_exact_where_the_guess_decides_what_grows(budg
     """Which nodes grow depends on which child the guess named (``_guess_draft``); each
     node's number of children is still fixed before they are drawn, and the first token is
     the target's. With room for two nodes this is the case that fails if stage 2 gave a
-    sampled tree every slot and cut it to its best nodes at the end, greedy's way (the
-    second child kept only where it was the guess)."""
+    sampled tree every slot and cut it to its best nodes at the end, greedy's way (behind a
+    sure first child, the second kept only where it was the guess)."""
     counts, want, hits = _first_tokens(budget, 0.0, None, 40_000, seed=5, guesses=1,
                                        tables=_guess_draft, expand=_while_worth)
     assert hits > 10_000  # the guess is one of the root's two draws in about half the trees
