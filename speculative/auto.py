@@ -1,26 +1,29 @@
 """``auto`` mode: each step takes the kind of step that has been fastest here, sized by cost.
 
 Three kinds of step (``StepKind``): the target alone, the n-gram model's tree, and the draft
-model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. Greedy
-with a draft model loaded, the n-gram's tree is not a kind of its own but a choice each step of
-the draft's kind makes before running the draft (``AutoPolicy.without_draft``): with the
-n-gram's tree grown, it prices the target alone (as such steps take now), that tree alone, and
-the draft's merged tree (both from the n-gram tree's expected tokens and seconds, each corrected
-by how far its steps measured from that estimate on steps whose n-gram tree looked alike:
-``Margin``), and takes the fastest. On text the n-gram model knows its tree alone runs, where
-nothing pays the target alone, and the draft elsewhere, step by step; chosen as a kind, the
-n-gram's tree ran for dozens of steps at a time, by rates measured a few noisy steps at a time,
-and the draft paid its catching up at every exploration. Within a kind, the cost model sizes
-the tree (``speculative.sizing``): a draft batch only where its expected tokens per second beat
-the step's so far, then the cut that maximises them; greedy, the n-gram's greedy chain is hung
-below the draft tree's best leaf and the n-gram's own tree merged in (``AutoPolicy.merge``),
-each n-gram branch beside the draft's choices scored by its own measured acceptance
-(``Scorer.BRANCHES``), and the final cut keeps what pays (at least the best node once the draft
-model has been paid for). A step of the n-gram's kind (sampled, or without a draft model)
-verifies at least its best node, as ``ngram`` does: on a steep cost curve the model may price a
-lone node as not paying where ``ngram``'s steps, which verify it anyway, run faster
-(docs/results-log.md), and whether it pays is measured instead: the target alone is a kind of
-its own, timed in every drafted step's place.
+model's tree (staged: stage-2 guesses cut its draft batches) merged with the n-gram's. With a
+draft model loaded, the n-gram's tree is not a kind of its own. Sampled, the draft's tree runs
+alone (a node's children must all come from one q, so the n-gram model serves it as stage 2
+only): chosen as a kind, the n-gram's tree and the draft's were a few percent apart, which one
+held was the noise of the few steps each was measured on, and every return to the draft paid its
+catching up. Greedy, the n-gram's tree alone is a choice each step of the draft's kind makes
+before running the draft (``AutoPolicy.without_draft``): with the n-gram's tree grown, it prices
+the target alone (as such steps take now), that tree alone, and the draft's merged tree (both
+from the n-gram tree's expected tokens and seconds, each corrected by how far its steps measured
+from that estimate on steps whose n-gram tree looked alike: ``Margin``), and takes the fastest.
+On text the n-gram model knows its tree alone runs, where nothing pays the target alone, and the
+draft elsewhere, step by step; chosen as a kind, the n-gram's tree ran for dozens of steps at a
+time, by rates measured a few noisy steps at a time, and the draft paid its catching up at every
+exploration. Within a kind, the cost model sizes the tree (``speculative.sizing``): a draft
+batch only where its expected tokens per second beat the step's so far, then the cut that
+maximises them; greedy, the n-gram's greedy chain is hung below the draft tree's best leaf and
+the n-gram's own tree merged in (``AutoPolicy.merge``), each n-gram branch beside the draft's
+choices scored by its own measured acceptance (``Scorer.BRANCHES``), and the final cut keeps
+what pays (at least the best node once the draft model has been paid for). A step of the
+n-gram's kind (without a draft model) verifies at least its best node, as ``ngram`` does: on a
+steep cost curve the model may price a lone node as not paying where ``ngram``'s steps, which
+verify it anyway, run faster (docs/results-log.md), and whether it pays is measured instead: the
+target alone is a kind of its own, timed in every drafted step's place.
 
 Which kind runs is measured, not predicted: how many tokens per second each kind gave against
 the target alone on the same steps (see below; decayed, the text's difficulty drifts), and the
@@ -85,8 +88,8 @@ step's own outside planning, their planning, and this step's target pass scaled 
 curve to their batch. Rates measured at different moments differ more with the text (a new
 prompt, a docstring against code) than the kinds differ from each other; paired on the same
 steps, the text's difficulty cancels (``Paired``). Where the n-gram's tree is a kind of its own
-(sampled, or greedy without a draft model), a step of another kind plans the n-gram's tree
-beside it (``AutoPolicy.aside``; its planning may take ``ASIDE_SHARE`` of a target-alone step's
+(without a draft model), a step of the target alone plans the n-gram's tree beside it
+(``AutoPolicy.aside``; its planning may take ``ASIDE_SHARE`` of a target-alone step's
 time, no more): greedy, decided by the text as above; sampled, priced by the step's own target
 pass (its distributions where the step's tree shares the n-gram tree's paths, the root's
 children always: ``verify.verify_sampling``'s ``beside``); either way, timed beside the target
@@ -94,9 +97,7 @@ alone it is the n-gram kind's speed against it (``Planner.with_root``). Once the
 ran, the n-gram's kind was otherwise measured only by explorations, each a loss while the text
 was hard (on a steep curve a wrong guess verified costs much of a pass more), their waits
 doubling while they lost, and the target alone ran on for hundreds of steps where the n-gram's
-kind had become the faster; sampled, beside the draft's kind, explorations a few noisy steps
-long never told the two apart surely, and the n-gram's kind was explored every
-``EXPLORE_EVERY`` steps at a loss. The wait before exploring a kind counts from when it was
+kind had become the faster. The wait before exploring a kind counts from when it was
 last timed against the fastest (``Planner.since``), not from when it last ran. A sampled step
 counts the tokens its tree yields on average over the acceptance rule's draws
 (``Verdict.expected``), not the ones it drew: by the draws alone one step emits 1 token and the
@@ -904,15 +905,16 @@ class AutoPolicy:
         self.estimate = self.chose = None  # (set where the step prices the n-gram's tree)
         if budget is None:
             return StepPlan.alone(step.root)
-        if res.draft is not None and step.params.greedy:
-            # the draft's kind verifies the n-gram's tree alone where that pays more
+        if res.draft is not None:
+            # greedy, the draft's kind verifies the n-gram's tree alone where that pays more
             # (``without_draft``): a kind of the n-gram's tree alone would only differ by
             # being chosen for many steps at a time, by rates measured a few noisy steps at a
-            # time
+            # time. Sampled, the n-gram's tree is no kind either: its steps and the draft's
+            # are a few percent apart, which kind held was the noise of a few steps'
+            # measurements, and every return to the draft paid its catching up
             kinds = [StepKind.DRAFT, StepKind.ROOT]
         else:
-            kinds = ([StepKind.DRAFT] if res.draft is not None else []) + [StepKind.GUESSES,
-                                                                           StepKind.ROOT]
+            kinds = [StepKind.GUESSES, StepKind.ROOT]
         risks = {}
         if res.draft is not None:
             behind = res.draft.behind(step.committed)
@@ -928,9 +930,9 @@ class AutoPolicy:
         # too, and is not in the time outside planning that ``counterfactuals`` adds
         t0 = time.perf_counter() if step.t0 is None else step.t0
         alone = Alternative(StepKind.ROOT, TokenTree.rooted(step.root), time.perf_counter() - t0)
-        res.feed_ngram(step.committed)
-        ngram = res.ngram_drafter(step.params, budget)
+        res.feed_ngram(step.committed)  # the n-gram's tree, or the draft's stage-2 guesses
         if kind is StepKind.GUESSES:
+            ngram = res.ngram_drafter(step.params, budget)
             tree = self.ngram_tree(ngram, step)
             return StepPlan.scored_by(tree, ngram, StepKind.GUESSES, Scorer.NGRAM,
                                       alternatives=(alone,))
@@ -938,31 +940,29 @@ class AutoPolicy:
         # batches pay against the whole step's drafting time, the n-gram's included)
         floor = res.floor(Scorer.DRAFT, step.params)  # sampled trees only
         expand = res.expander(budget, staged=True, floor=floor)
-        guesses: Alternative | None
-        if step.params.greedy:
-            ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
-                                   res.worth_growing(), step.penalties)
-            # what a step of the n-gram's tree alone would have verified here
-            cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
-                          res.calibrations.factor(Scorer.NGRAM), at_least=1)
-            left = self.without_draft(cut, t0)
-            if left is not None:
-                return StepPlan.scored_by(left, ngram, StepKind.DRAFT, Scorer.NGRAM,
-                                          alternatives=(alone,))
-            guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
-        else:  # sampled: the n-gram's own tree beside, priced by this step's pass
-            guesses, t_aside = self.aside(step)
-        drafter = res.model_drafter(step.config, staged=True)
-        # sampled, the draft model decodes the root whatever the tree: its best node is
-        # verified, as in the fixed modes (a step that paid for the draft and verified
-        # nothing gets nothing for it)
-        draft = grow(drafter, step, expand, floor, at_least=1)
-        if not step.params.greedy:  # a node's children must all come from one q
+        if not step.params.greedy:
+            # a node's children must all come from one q: the draft's tree alone, as grown;
+            # the draft model decodes the root whatever the tree, so its best node is
+            # verified, as in the fixed modes (a step that paid for the draft and verified
+            # nothing gets nothing for it)
+            drafter = res.model_drafter(step.config, staged=True)
+            draft = grow(drafter, step, expand, floor, at_least=1)
             draft = res.right_size(draft, Scorer.DRAFT, drafting_time(drafter), step.params)
-            beside = (alone,) if guesses is None else (guesses, alone)
-            return dataclasses.replace(
-                StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
-                                   alternatives=beside), t_aside=t_aside)
+            return StepPlan.scored_by(draft, drafter, StepKind.DRAFT, Scorer.DRAFT,
+                                      alternatives=(alone,))
+        ngram = res.ngram_drafter(step.params, budget)
+        ngram_tree = grow_tree(ngram, step.committed, budget, step.params, step.rng,
+                               res.worth_growing(), step.penalties)
+        # what a step of the n-gram's tree alone would have verified here
+        cut = res.cut(ngram_tree, ngram_tree.scores(), drafting_time(ngram),
+                      res.calibrations.factor(Scorer.NGRAM), at_least=1)
+        left = self.without_draft(cut, t0)
+        if left is not None:
+            return StepPlan.scored_by(left, ngram, StepKind.DRAFT, Scorer.NGRAM,
+                                      alternatives=(alone,))
+        guesses = Alternative(StepKind.GUESSES, cut.tree, time.perf_counter() - t0)
+        drafter = res.model_drafter(step.config, staged=True)
+        draft = grow(drafter, step, expand, floor, at_least=1)
         draft, chain = self.add_guesses(draft, step)
         plan = self.merge(draft, ngram_tree, drafter, ngram, budget, chain)
         return dataclasses.replace(plan, alternatives=(guesses, alone))
@@ -1045,9 +1045,9 @@ class AutoPolicy:
 
     def aside(self, step: StepInput) -> tuple[Alternative | None, float]:
         """The tree a step of the n-gram's kind would have verified here, planned beside a
-        step of another kind (where the n-gram's tree is a kind to choose,
+        step of the target alone (where the n-gram's tree is a kind to choose,
         ``Planner.kinds``), and the seconds its planning took: the n-gram's kind is then
-        timed on the same text while another kind runs, for the price of planning it, not
+        timed on the same text while the target alone runs, for the price of planning it, not
         of steps that may lose (on a steep cost curve a wrong guess verified costs much of
         a pass more). Greedy, the text written next decides exactly what it would have
         emitted (``Guessed``); sampled, the step's own target pass prices it from the

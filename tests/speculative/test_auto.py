@@ -1667,27 +1667,20 @@ def test_a_deep_ngram_tree_beside_a_draft_step_is_credited_with_what_it_would_ha
     assert (guesses.tokens, guesses.alt_tokens, guesses.alt_seconds) == (4, 1, 0.2)
 
 
-def test_sampled_draft_steps_time_the_ngram_tree_beside_them_from_their_own_pass() -> None:
-    """Sampled, a tree's acceptance is a draw that the text does not decide; a step of the
-    draft's kind plans the n-gram's tree beside its own, and the engine prices it from the
-    step's target pass (``Outcome.beside``): the n-gram's kind is timed against the draft's
-    on the same steps, without running it, and its planning is not the draft's kind's
-    time."""
+class _Seen(Planner):
+    """A planner whose rates stay as planted; each step's kind, seconds and alternatives (kind,
+    tokens, seconds) are recorded."""
 
-    class Planted(Planner):  # the draft's kind stays the fastest; what is timed is recorded
-        seen: list[tuple[StepKind, float, list]] = []  # noqa: RUF012 (the test's record)
+    seen: list[tuple[StepKind, float, list]]
 
-        def observe_step(self, kind: StepKind, tokens: float, seconds: float,
-                         switch: float = 0.0, alternatives=()) -> None:
-            self.seen.append((kind, seconds, list(alternatives)))
+    def observe_step(self, kind: StepKind, tokens: float, seconds: float,
+                     switch: float = 0.0, alternatives=()) -> None:
+        self.seen.append((kind, seconds, list(alternatives)))
 
-    engine = _auto(FLAT, CHEAP_DRAFT)
-    planner = _plant(engine, Planted, [(StepKind.ROOT, 1, 1.0),  # a token a second
-                                       (StepKind.GUESSES, 1, 4.0), (StepKind.DRAFT, 3, 1.0)])
-    planner.greedy = False
-    planner.held = StepKind.DRAFT
-    params = SamplingParams(temperature=1.0, seed=3)
-    plans = []
+
+def _spied_plans(engine: Engine) -> list:
+    """The plans ``engine``'s ``auto`` policy makes from now on, in order."""
+    plans: list = []
     policy = engine._policy(Mode.AUTO)
     plan_step = policy.plan
 
@@ -1696,18 +1689,59 @@ def test_sampled_draft_steps_time_the_ngram_tree_beside_them_from_their_own_pass
         return plans[-1]
 
     policy.plan = spy
-    for prompt in PROMPTS[:4]:
-        list(engine.generate(prompt, 16, params))
+    return plans
+
+
+def test_sampled_with_a_draft_model_each_step_is_the_draft_tree_or_the_target_alone() -> None:
+    """Sampled with a draft model, the n-gram's tree is no kind of ``auto``'s: even where its
+    steps were measured the fastest, each step runs the draft's tree (the n-gram's guesses its
+    stage 2) with the target alone timed in its place, and no n-gram tree is planned beside."""
+    engine = _auto(FLAT, CHEAP_DRAFT)
+    planner = _plant(engine, _Seen, [(StepKind.ROOT, 1, 1.0),  # a token a second
+                                     (StepKind.GUESSES, 3, 0.5), (StepKind.DRAFT, 3, 1.0)])
+    planner.seen = []
+    planner.greedy = False
+    plans = _spied_plans(engine)
+    params = SamplingParams(temperature=1.0, seed=3)
+    steps = [step for prompt in PROMPTS[:4] for step in engine.generate(prompt, 16, params)]
     assert {kind for kind, _, _ in planner.seen} == {StepKind.DRAFT}
-    priced = 0
+    assert sum(step.stats.stage2_proposed for step in steps) > 0  # the n-gram's guesses drafted
     for plan, (_, _, alternatives) in zip(plans, planner.seen, strict=True):
-        kinds = [kind for kind, _, _ in alternatives]
-        assert kinds[-1] is StepKind.ROOT and alternatives[-1][1] == 1.0
-        if kinds[0] is StepKind.GUESSES:  # its tree drawn with the n-gram's distributions
-            [guesses] = [a for a in plan.alternatives if a.kind is StepKind.GUESSES]
-            assert guesses.q is not None and 0.0 < plan.t_aside < guesses.t_plan
-            tokens = alternatives[0][1]
-            assert 1.0 <= tokens <= 1.0 + guesses.tree.max_depth
-            assert alternatives[0][2] > 0.0
-            priced += 1
+        assert [kind for kind, _, _ in alternatives] == [StepKind.ROOT]
+        assert [alt.kind for alt in plan.alternatives] == [StepKind.ROOT]
+        assert plan.t_aside == 0.0
+
+
+def test_sampled_target_alone_steps_time_the_ngram_tree_beside_them_from_their_own_pass(
+        ) -> None:
+    """Sampled without a draft model, a tree's acceptance is a draw that the text does not
+    decide; a step of the target alone plans the n-gram's tree beside it, and the engine
+    prices it from the step's target pass (``Outcome.beside``): the n-gram's kind is timed
+    against the target alone on the same steps, without running it, and its planning is not
+    the target alone's time."""
+    corpus = [_plain(prompt, 40) for prompt in PROMPTS[10:12]]
+    engine = Engine(FakeContext(TARGET), None, KatzTrigram.build(corpus, V),
+                    SpecConfig(mode=Mode.AUTO, tree=TreeBudget(24, 8, 3)))
+    engine.verify_cost = VerifyCost((1, 2, 4, 8, 16, 32), STEEP)
+    planner = _plant(engine, _Seen, [(StepKind.ROOT, 1, 1.0),  # a token a second
+                                     (StepKind.GUESSES, 1, 4.0)])
+    planner.seen = []
+    planner.greedy = False
+    plans = _spied_plans(engine)
+    params = SamplingParams(temperature=1.0, seed=3)
+    for prompt in PROMPTS[10:12]:
+        list(engine.generate(prompt, 16, params))
+    assert {kind for kind, _, _ in planner.seen} == {StepKind.ROOT}
+    priced = 0
+    for plan, (_, seconds, alternatives) in zip(plans, planner.seen, strict=True):
+        if not alternatives:
+            continue
+        [(kind, tokens, alt_seconds)] = alternatives
+        # its tree drawn with the n-gram's distributions, its planning outside the step's time
+        [guesses] = plan.alternatives
+        assert kind is StepKind.GUESSES and guesses.q is not None
+        assert 0.0 < plan.t_aside < guesses.t_plan
+        assert 1.0 <= tokens <= 1.0 + guesses.tree.max_depth
+        assert alt_seconds > 0.0 and seconds > 0.0
+        priced += 1
     assert priced >= len(plans) // 2
