@@ -96,12 +96,16 @@ class ModelPair:
         measured again also becomes the one later engines start from; whether it was. Once
         per pair: a curve that, measured again, still disagreed with decoding would otherwise
         be measured between every two replies."""
-        if self.remeasured or not engine.check_curve():
+        if not self.curve_due(engine) or not engine.check_curve():
             return False
         self.remeasured = True
         if self.costs is not None and engine.verify_cost is not None:
             self.costs = (engine.verify_cost, self.costs[1])
         return True
+
+    def curve_due(self, engine: Engine) -> bool:
+        """Whether ``check_curve`` would measure the target's curve again now."""
+        return not self.remeasured and engine.curve_too_dear()
 
     def memory_key(self) -> str:
         """What an engine's memory depends on: both models' files, this machine, the contexts'

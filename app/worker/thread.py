@@ -183,8 +183,9 @@ class EngineWorker(QObject):
         (``ModelPair.check_curve``)."""
         if self._pair is not None and self._engine is not None:
             try:
-                if self._pair.check_curve(self._engine):
-                    self.status.emit("Measured the target's speed again")
+                if self._pair.curve_due(self._engine):
+                    self.status.emit("Measuring the target's speed again…")
+                    self._pair.check_curve(self._engine)
             except Exception:
                 log.exception("measuring the target's speed again failed")
             self._pair.remember(self._engine)

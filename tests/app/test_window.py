@@ -76,13 +76,19 @@ def test_streamed_reply_equals_the_command_line(qtbot, window: MainWindow, capsy
 
 def test_statistics_arrive_while_the_reply_streams(qtbot, window: MainWindow) -> None:
     seen_during: list[str] = []
+    statuses: set[str] = set()
 
     def peek(_ev: StepEvent) -> None:  # runs on the GUI thread, before the reply is stored
         window.replies.draw()
         seen_during.append(window.stats.speed.value.text())
+        statuses.add(window.status.text())
 
     window.step_shown.connect(peek)
     _reply(qtbot, window, PROMPT)
+    # the status bar says the reply is being written, and stops saying so when it is stored
+    # (not only once the worker has put away what the engine learned)
+    assert statuses == {"Generating…"}
+    assert window.status.text() in ("Ready", "Measuring the target's speed again…")
     assert len(seen_during) >= 2
     assert any(text not in ("", "\u2013") for text in seen_during[1:])  # an en dash: no value yet
     assert window.stats.run.steps and window.stats.run.tokens == len(_last_reply(window).tokens)

@@ -120,7 +120,7 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         pair.costs = (_scaled(measured, 3.0), None)
         engine = pair.engine(spec)
         replies(engine)
-        assert engine.curve_too_dear()
+        assert engine.curve_too_dear() and pair.curve_due(engine)
         calibrations = engine.res.calibrations
         assert pair.check_curve(engine)
         again = pair.costs[0]
@@ -140,7 +140,8 @@ def test_a_curve_that_prices_single_tokens_dearer_than_decoding_does_is_measured
         pair.costs = (_scaled(again, 3.0), None)  # once per pair: never again
         dear = pair.engine(spec)
         replies(dear)
-        assert dear.curve_too_dear() and not pair.check_curve(dear)
+        assert dear.curve_too_dear() and not pair.curve_due(dear)
+        assert not pair.check_curve(dear)
 
 
 def test_drafted_passes_that_cost_more_than_the_curve_says_correct_the_meter(
