@@ -167,6 +167,9 @@ class StatsPanel(QWidget):
         self._charted = 0   # the streaming reply's steps already on the chart
         self._tokens = 0.0  # the conversation's tokens, where the chart ends
         self._max_speed, self._max_tau = 1.0, 1.0  # the highest points yet, with headroom
+        # each axis's range as last applied: setting a range re-lays the chart out, and the
+        # vertical axes' nice numbers cost as much again, most of a streaming frame's time
+        self._applied: dict[QValueAxis, tuple[float, float]] = {}
         self._dirty = False
         self.speed = Meter("tokens/s")
         self.speedup = Meter("speedup (est.)", "What plain decoding of the same target would "
@@ -351,14 +354,22 @@ class StatsPanel(QWidget):
     def _set_ranges(self) -> None:
         if self.speed_series.count():
             first = self.speed_series.at(0).x()
-            self.x_axis.setRange(first, max(self._tokens, first + 50))
+            self._set_range(self.x_axis, first, max(self._tokens, first + 50))
         else:
-            self.x_axis.setRange(0, max(100.0, self._tokens))
+            self._set_range(self.x_axis, 0.0, max(100.0, self._tokens))
         for axis, top in ((self.speed_axis, max(10.0, self._max_speed)),
                           (self.tau_axis, max(2.0, self._max_tau))):
+            if self._applied.get(axis) == (0.0, top):
+                continue  # (its nice numbers would be the same too)
             axis.setRange(0, top)
             axis.setTickCount(5)  # nice numbers start from it and change it
             axis.applyNiceNumbers()
+            self._applied[axis] = (0.0, top)
+
+    def _set_range(self, axis: QValueAxis, low: float, high: float) -> None:
+        if self._applied.get(axis) != (low, high):
+            axis.setRange(low, high)
+            self._applied[axis] = (low, high)
 
 
 def _penalties(f: dict[str, Any]) -> str:

@@ -371,6 +371,17 @@ def _chart(window: MainWindow) -> list[list[tuple[float, float]]]:
             for series in (window.stats.speed_series, window.stats.tau_series)]
 
 
+def _covered(window: MainWindow) -> None:
+    """Every point on the chart lies within its axes' ranges."""
+    s = window.stats
+    speed, tau = _chart(window)
+    if not speed:
+        return
+    assert s.x_axis.min() <= min(x for x, _ in speed) and max(x for x, _ in speed) <= s.x_axis.max()
+    assert max(y for _, y in speed) <= s.speed_axis.max()
+    assert max(y for _, y in tau) <= s.tau_axis.max()
+
+
 def test_a_reopened_conversation_shows_the_statistics_and_chart_it_was_written_with(
         qtbot, data_dir: Path) -> None:
     window = _open(qtbot, data_dir, mode="tree")
@@ -379,14 +390,18 @@ def test_a_reopened_conversation_shows_the_statistics_and_chart_it_was_written_w
     def drawn(_ev: StepEvent) -> None:  # the chart as it streams, step by step
         window.replies.draw()
         live.append(_chart(window))
+        _covered(window)
 
     window.step_shown.connect(drawn)
     _reply(qtbot, window, PROMPT)
     assert live[-1] == _chart(window)  # streamed, then rebuilt from the history: the same
+    assert live[-1][0]
+    _covered(window)
     _reply(qtbot, window, "\n\ndef main():\n")
     with qtbot.waitSignal(window.reply_finished, timeout=REPLY_MS):
         window.continue_reply()
     assert live[-1] == _chart(window)
+    _covered(window)
     replies = [m for m in window.history.messages(window.conversation.id)
                if m.role == "assistant"]
     assert len(replies) == 2 and replies[-1].finish in ("stop", "length", "context")
