@@ -205,8 +205,8 @@ class ReplyController(QObject):
             self.banner.show_message("The reply reached the end of the context window. The "
                                      "next message will leave out the oldest turns.", "warning")
         self.stored.emit(pending.conversation_id)
-        # the worker says "Ready" once it has put away what the reply taught the engine (or
-        # what it does meanwhile); the reply itself is over now
+        # the reply is over: say so now, not when the worker has put away what the engine
+        # learned from it (its own status, if it does more between replies, follows this)
         self.status.setText("Ready")
         self.busy_changed.emit(False)
         self.reply_finished.emit(done.request_id)
