@@ -183,7 +183,9 @@ class RaceWindow(QDialog):
                 "differ (two samples)" if r.temperature > 0
                 else "part at a tie" if r.divergence is not None and r.divergence.tie
                 else "NOT identical")
-            rounds = f" (pooled over {len(r.rounds) + 1} rounds)" if r.rounds else ""
+            ups = r.round_speedups()
+            rounds = (f" (pooled over {len(r.rounds) + 1} rounds, each "
+                      f"{min(ups):.2f}-{max(ups):.2f}×)" if r.rounds and ups else "")
             self.verdict.setText(f"{r.speedup:.2f}× plain's speed over {r.tokens} tokens"
                                  f"{rounds} · texts {same}")
             self.replay.setEnabled(True)

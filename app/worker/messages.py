@@ -122,3 +122,10 @@ class RaceResult:
         plain = self.plain.run.seconds_until(n) + sum(p for p, _ in self.rounds)
         spec = self.speculative.run.seconds_until(n) + sum(s for _, s in self.rounds)
         return plain / spec if spec > 0 else 0.0
+
+    def round_speedups(self) -> list[float]:
+        """Each round's own speedup, the first round's first: how far apart runs of the same
+        work came out on this machine, which the pooled verdict does not show."""
+        n = self.tokens
+        first = (self.plain.run.seconds_until(n), self.speculative.run.seconds_until(n))
+        return [p / s for p, s in (first, *self.rounds) if s > 0]

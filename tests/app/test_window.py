@@ -159,7 +159,10 @@ def test_a_race_finishes_with_identical_texts_at_temperature_0(qtbot, window: Ma
         race.finish_now()
     assert race.left.text.toPlainText().endswith(result.plain.text)
     assert "identical" in race.verdict.text()
-    assert f"pooled over {len(result.rounds) + 1} rounds" in race.verdict.text()
+    ups = result.round_speedups()
+    assert len(ups) == len(result.rounds) + 1 and min(ups) <= result.speedup <= max(ups)
+    assert (f"pooled over {len(result.rounds) + 1} rounds, each {min(ups):.2f}-{max(ups):.2f}"
+            f"\u00d7" in race.verdict.text())
 
 
 def test_a_sampled_race_compares_runs_of_the_same_length(qtbot, data_dir: Path) -> None:
