@@ -359,17 +359,17 @@ class StatsPanel(QWidget):
             self._set_range(self.x_axis, 0.0, max(100.0, self._tokens))
         for axis, top in ((self.speed_axis, max(10.0, self._max_speed)),
                           (self.tau_axis, max(2.0, self._max_tau))):
-            if self._applied.get(axis) == (0.0, top):
-                continue  # (its nice numbers would be the same too)
-            axis.setRange(0, top)
-            axis.setTickCount(5)  # nice numbers start from it and change it
-            axis.applyNiceNumbers()
-            self._applied[axis] = (0.0, top)
+            if self._set_range(axis, 0.0, top):  # (unchanged, its nice numbers would be too)
+                axis.setTickCount(5)  # nice numbers start from it and change it
+                axis.applyNiceNumbers()
 
-    def _set_range(self, axis: QValueAxis, low: float, high: float) -> None:
-        if self._applied.get(axis) != (low, high):
-            axis.setRange(low, high)
-            self._applied[axis] = (low, high)
+    def _set_range(self, axis: QValueAxis, low: float, high: float) -> bool:
+        """Set ``axis``'s range unless it was last set to this one; whether it was set."""
+        if self._applied.get(axis) == (low, high):
+            return False
+        axis.setRange(low, high)
+        self._applied[axis] = (low, high)
+        return True
 
 
 def _penalties(f: dict[str, Any]) -> str:
