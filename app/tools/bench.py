@@ -571,7 +571,7 @@ def format_report(report: dict[str, Any], repeats: int) -> str:
                          f"{s['mean_drafted']:>6.1f}{s['draft_calls_per_step']:>11.2f}"
                          f"{s['draft_ms_per_accepted']:>8.1f}  "
                          f"{s['identical'] or '-':<10}{s['degenerate_outputs']}")
-        lines += _kinds(cell)
+        lines += _kinds(cell) + _drafting_free(cell)
         for s in (cell.get("native") or {}).values():
             lo, hi = s["speedup_range"]
             accept = f"accepts {s['accept']:.0%}" if s["accept"] is not None else ""
@@ -627,6 +627,22 @@ def _kinds(cell: dict[str, Any]) -> list[str]:
                  for name, k in sorted(kinds.items(), key=lambda nk: -nk[1]["steps"])]
         lines.append(f"  {mode}'s steps by kind: " + ", ".join(parts))
     return lines
+
+
+def _drafting_free(cell: dict[str, Any]) -> list[str]:
+    """Each drafting mode's speedup with its drafting time (the draft model's and the
+    n-gram's) taken out, its trees, passes and overhead as they ran: the most a drafter
+    proposing the same trees at no cost could reach. Where a mode sits well below it, drafting
+    is what holds it back; where near it, only trees the target accepts more of, or cheaper
+    verification, can add speed."""
+    parts = []
+    for mode, s in cell["modes"].items():
+        split = s.get("time") or {}
+        total = sum(split.values())
+        drafting = split.get("draft", 0.0) + split.get("stage2", 0.0)
+        if total > 0 and drafting > 0 and mode != "plain":
+            parts.append(f"{mode} {s['speedup'] / (1.0 - drafting / total):.2f}x")
+    return ["  with drafting free: " + ", ".join(parts)] if parts else []
 
 
 def _penalty_cost(report: dict[str, Any]) -> list[str]:
@@ -688,8 +704,8 @@ def format_markdown(report: dict[str, Any], repeats: int) -> str:
         if cell.get("native_unavailable"):
             lines.append(f"| llama-speculative | could not run: {cell['native_unavailable']} "
                          "|||||||||| ")
-        kinds = _kinds(cell)
-        lines += ["", *(line.strip() for line in kinds)] if kinds else []
+        notes = _kinds(cell) + _drafting_free(cell)
+        lines += ["", *(line.strip() for line in notes)] if notes else []
         lines.append("")
     for name, p in report.get("peers", {}).items():
         what = (f"could not run: {p['unavailable']}" if "unavailable" in p

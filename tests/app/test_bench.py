@@ -9,7 +9,7 @@ import sys
 
 import pytest
 
-from app.tools.bench import _kinds, load_prompts
+from app.tools.bench import _drafting_free, _kinds, load_prompts
 from app.tools.cli import main
 
 
@@ -62,6 +62,20 @@ def test_the_report_says_what_share_of_autos_steps_each_kind_took() -> None:
                            "draft": {"steps": 30, "tokens": 90, "seconds": 4.5}}}}}
     assert _kinds(cell) == ["  auto's steps by kind: draft's kind 75% (50.0 ms a token), "
                             "target alone 25% (60.0 ms a token)"]
+
+
+def test_the_report_says_what_each_mode_would_reach_with_drafting_free() -> None:
+    """A drafting mode's speedup over the share of its time left once drafting (the draft
+    model's and the n-gram's) is taken out; modes that draft nothing get no figure."""
+    cell = {"modes": {
+        "plain": {"speedup": 1.0, "time": {"draft": 0.0, "stage2": 0.0, "verify": 8.0,
+                                           "other": 0.0}},
+        "staged": {"speedup": 1.5, "time": {"draft": 2.0, "stage2": 0.5, "verify": 7.0,
+                                            "other": 0.5}},
+        "oracle": {"speedup": 5.0, "time": {"draft": 0.0, "stage2": 0.0, "verify": 1.0,
+                                            "other": 0.1}}}}
+    assert _drafting_free(cell) == ["  with drafting free: staged 2.00x"]
+    assert _drafting_free({"modes": {"plain": cell["modes"]["plain"]}}) == []
 
 
 def test_bench_sampled_has_no_ceiling_and_prints_a_table(tiny_models, tmp_path, capsys) -> None:
