@@ -116,16 +116,20 @@ class RaceResult:
     def speedup(self) -> float:
         """Plain decoding's seconds over speculation's for the same number of tokens, pooled
         over every round."""
-        n = self.tokens
-        if not n:
-            return 0.0
-        plain = self.plain.run.seconds_until(n) + sum(p for p, _ in self.rounds)
-        spec = self.speculative.run.seconds_until(n) + sum(s for _, s in self.rounds)
-        return plain / spec if spec > 0 else 0.0
+        times = self.round_seconds()
+        spec = sum(s for _, s in times)
+        return sum(p for p, _ in times) / spec if spec > 0 else 0.0
 
     def round_speedups(self) -> list[float]:
         """Each round's own speedup, the first round's first: how far apart runs of the same
         work came out on this machine, which the pooled verdict does not show."""
+        return [p / s for p, s in self.round_seconds() if s > 0]
+
+    def round_seconds(self) -> list[tuple[float, float]]:
+        """(plain's, speculation's) seconds for the ``tokens`` both runs wrote, each round, the
+        first round's first; none when they wrote nothing alike."""
         n = self.tokens
+        if not n:
+            return []
         first = (self.plain.run.seconds_until(n), self.speculative.run.seconds_until(n))
-        return [p / s for p, s in (first, *self.rounds) if s > 0]
+        return [first, *self.rounds]
