@@ -296,25 +296,25 @@ class Resources:
     def floor(self, scorer: Scorer, params: SamplingParams) -> float:
         """The score a node of a sampled tree needs to be verified: what a node needed to pay
         in the best cut of the last step's candidates of the same scorer (``paying_floor``;
-        independent of this step's draws: ``grow_tree``), or before any such step, what a
-        node needs at the very least to pay for its place in the batch
-        (``Sizer.least_worth``: a first sampled step of a kind would otherwise verify as
+        independent of this step's draws: ``grow_tree``), or before any such step, what
+        every node of a tree of nodes as good as it would need to pay for their batch
+        (``Sizer.uniform_worth``: a first sampled step of a kind would otherwise verify as
         many nodes as the budget has room for, whatever the curve charges for them); greedy
         trees are cut after growing (0). Where nothing in the last step's candidates paid, as
         before any step (see below)."""
         if params.greedy or self.sizer is None:
             return 0.0
         factor = self.calibrations.factor(scorer)
-        least = self.sizer.least_worth() / factor
+        first = self.sizer.uniform_worth() / factor
         basis, t_draft = self.previous.get(scorer, ([], 0.0))
         if not basis:
-            return least
+            return first
         floor = paying_floor(basis, self.sizer.priced, t_draft, factor)
         # nothing in the last step's candidates paid: floored at that, a tree keeps only the
         # root's first child, whose siblings are then the next step's only candidates, which
         # rarely pay either, and every step stays that stunted; such a step is sized as a
         # first one instead
-        return floor if math.isfinite(floor) else least
+        return floor if math.isfinite(floor) else first
 
     def cut(self, draft: DraftTree, basis: list[float], t_draft: float, factor: float,
             most: int | None = None, at_least: int = 1) -> DraftTree:

@@ -174,3 +174,17 @@ class Sizer:
         curve = self.priced.curve
         cheapest = min(curve(n + 1) - curve(n) for n in range(1, 32))
         return max(cheapest, 0.0) / curve(1)
+
+    def uniform_worth(self) -> float:
+        """The acceptance probability below which no tree pays unless better nodes carry it:
+        a tree of n nodes each accepted with probability a beats the target alone when
+        1 + n * a > cost(n + 1) / cost(1), so the least such a over trees of up to 31 nodes.
+        ``least_worth`` prices one batch token where it is cheapest, which is nothing
+        where llama.cpp's kernels work on tiles (a batch one token larger than another can
+        cost no more): a fine bound for the node that fills such a slot, no bound for a
+        whole tree. Counted from the root, a tile's free slot is shared by every node below
+        it. 0 where a second batch token is free."""
+        curve = self.priced.curve
+        one = curve(1)
+        cheapest = min((curve(n + 1) - one) / n for n in range(1, 32))
+        return max(cheapest, 0.0) / one

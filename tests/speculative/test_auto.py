@@ -441,13 +441,14 @@ def _steep_sampled(mode: Mode) -> Engine:
 
 def test_a_first_sampled_step_verifies_what_the_curve_pays_for_not_the_whole_budget() -> None:
     """A sampled tree is sized before its nodes are drawn, from the last step's candidates;
-    the first step of a kind has none, and keeps only nodes that could pay for a batch token
-    at all (``Sizer.least_worth``): on a steep curve far fewer than the budget."""
+    the first step of a kind has none, and keeps only nodes that would pay for their batch
+    in a tree of nodes as good (``Sizer.uniform_worth``): on a steep curve far fewer than
+    the budget."""
     params = SamplingParams(temperature=1.0, top_k=5, seed=3)
     engine = _steep_sampled(Mode.NGRAM)
     res = engine.res
     floor = res.floor(Scorer.NGRAM, params)
-    assert floor == res.sizer.least_worth() / res.calibrations.factor(Scorer.NGRAM) > 0.0
+    assert floor == res.sizer.uniform_worth() / res.calibrations.factor(Scorer.NGRAM) > 0.0
     assert res.floor(Scorer.NGRAM, SamplingParams()) == 0.0  # greedy trees are cut instead
     budget = TreeBudget(24, 8, 3)
     sizes = []
@@ -465,11 +466,35 @@ def test_a_first_sampled_step_verifies_what_the_curve_pays_for_not_the_whole_bud
     assert run.steps[0].drafted < budget.max_nodes
 
 
+def test_a_tiled_curves_free_slot_does_not_open_a_sampled_tree_to_the_whole_budget() -> None:
+    """Where a batch of 4 tokens costs less than one of 3 (llama.cpp's kernels work on tiles;
+    measured so on a 2-core AVX2 host), the cheapest batch token is free and ``least_worth``
+    is 0, but a tree still pays for its batch: a sampled step sized as a first one keeps
+    only nodes that a tree of nodes as good would pay for, and the n-gram's sampled steps
+    verify a few nodes, not the budget."""
+    tiled = VerifyCost((1, 2, 3, 4, 8, 16, 32), (1.0, 1.56, 2.38, 2.23, 3.66, 6.22, 12.5))
+    engine = _engine(Mode.NGRAM, TreeBudget(16, 6, 4))
+    engine.verify_cost = tiled
+    engine.measure_cost()
+    res = engine.res
+    assert res.sizer.least_worth() == 0.0
+    # (cost(16) - cost(1)) / 15: the cheapest share of a pass a node of a uniform tree pays
+    assert res.sizer.uniform_worth() == pytest.approx(5.22 / 15)
+    params = SamplingParams(temperature=1.0, top_k=5, seed=3)
+    assert res.floor(Scorer.NGRAM, params) > 0.3 / res.calibrations.factor(Scorer.NGRAM)
+    res.previous[Scorer.NGRAM] = ([0.3, 0.1, 0.05], 0.0)  # nothing paid in the last step
+    assert res.floor(Scorer.NGRAM, params) > 0.3 / res.calibrations.factor(Scorer.NGRAM)
+    run = RunStats()
+    for prompt in PROMPTS[:4]:
+        _generate(engine, prompt, 12, params=params, run=run)
+    assert run.mean_drafted < 4
+
+
 def test_a_sampled_step_after_one_where_nothing_paid_is_sized_as_a_first_step() -> None:
     """Floored where nothing in the last step's candidates paid, a tree would keep the root's
     first child alone (verified anyway), whose siblings would be the next step's only
     candidates, paying nothing either: every later step would stay that stunted. Such a
-    step is sized as a first one (``Sizer.least_worth``); after a step whose nodes paid, by
+    step is sized as a first one (``Sizer.uniform_worth``); after a step whose nodes paid, by
     what one more node needed to pay there."""
     from speculative.costmodel import paying_floor
 
