@@ -634,13 +634,14 @@ def _drafting_free(cell: dict[str, Any]) -> list[str]:
     n-gram's) taken out, its trees, passes and overhead as they ran: the most a drafter
     proposing the same trees at no cost could reach. Where a mode sits well below it, drafting
     is what holds it back; where near it, only trees the target accepts more of, or cheaper
-    verification, can add speed."""
+    verification, can add speed. A mode that spent all its time drafting (no pass timed)
+    gets no figure: nothing would be left to scale."""
     parts = []
     for mode, s in cell["modes"].items():
         split = s.get("time") or {}
         total = sum(split.values())
         drafting = split.get("draft", 0.0) + split.get("stage2", 0.0)
-        if total > 0 and drafting > 0 and mode != "plain":
+        if 0 < drafting < total:
             parts.append(f"{mode} {s['speedup'] / (1.0 - drafting / total):.2f}x")
     return ["  with drafting free: " + ", ".join(parts)] if parts else []
 

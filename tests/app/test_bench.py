@@ -76,6 +76,9 @@ def test_the_report_says_what_each_mode_would_reach_with_drafting_free() -> None
                                             "other": 0.1}}}}
     assert _drafting_free(cell) == ["  with drafting free: staged 2.00x"]
     assert _drafting_free({"modes": {"plain": cell["modes"]["plain"]}}) == []
+    # a run cut off before any pass was timed: no figure, and no division by zero
+    only = {"speedup": 0.0, "time": {"draft": 1.0, "stage2": 0.0, "verify": 0.0, "other": 0.0}}
+    assert _drafting_free({"modes": {"staged": only}}) == []
 
 
 def test_bench_sampled_has_no_ceiling_and_prints_a_table(tiny_models, tmp_path, capsys) -> None:
