@@ -802,6 +802,12 @@ class Planner:
             if kind is not self.trial:  # an exploration starts
                 self.trial, self.trial_left = kind, TRIAL_STEPS
             self.trial_left -= 1
+            if self.trial_left == 0 and not self.rates[kind].measured:
+                # its measurement aged away over a long wait, and TRIAL_STEPS steps do not
+                # measure it again (MIN_STEPS decayed steps): the exploration goes on until
+                # they do, so that its outcome sets the next wait (ended unmeasured, the next
+                # wait would stay as it was, and the waits stop doubling once they are long)
+                self.trial_left = 1
             if self.trial_left == 0 and self.rates[kind].measured:
                 # an exploration done: wait longer before the next while this kind surely
                 # loses (by more than the margin, beyond the doubt, as ``fastest`` switches);

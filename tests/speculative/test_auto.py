@@ -732,6 +732,30 @@ def test_each_kind_is_measured_then_the_fastest_runs() -> None:
     assert waits[0] == 2 * EXPLORE_EVERY and waits[1] == 2 * waits[0]
 
 
+def test_the_wait_keeps_doubling_once_a_kind_sits_out_long_enough_to_age_away() -> None:
+    """Over a long wait a losing kind's measurement ages away, and TRIAL_STEPS steps do not
+    measure it again: its exploration runs a step longer, until they do, and then doubles the
+    wait as before, up to MAX_BACKOFF times EXPLORE_EVERY (ended unmeasured, it left the wait
+    at 4 times EXPLORE_EVERY, and a kind that kept losing was explored every hundred steps)."""
+    planner = _planner()
+    planner.regret = -1e9  # budget to spare: only the waits decide
+    seconds = {StepKind.DRAFT: 2.0, StepKind.GUESSES: 0.5, StepKind.ROOT: 1.0}
+    taken = _take(planner, seconds, 60 * EXPLORE_EVERY)[12:]
+    runs, i = [], 0
+    for kind, group in itertools.groupby(taken):
+        n = len(list(group))
+        if kind is StepKind.DRAFT:
+            runs.append((i, n))
+        i += n
+    waits = [b - (a + n) + 1 for (a, n), (b, _) in itertools.pairwise(runs)]
+    doubling = [EXPLORE_EVERY * 2 ** k for k in range(1, MAX_BACKOFF.bit_length())]
+    assert waits[:len(doubling)] == doubling
+    assert all(w == EXPLORE_EVERY * MAX_BACKOFF for w in waits[len(doubling):])
+    assert len(waits) > len(doubling)  # the cap held over later explorations too
+    assert all(TRIAL_STEPS <= n <= TRIAL_STEPS + 1 for _, n in runs)
+    assert planner.every[StepKind.DRAFT] == EXPLORE_EVERY * MAX_BACKOFF
+
+
 def test_a_kind_about_as_fast_as_the_fastest_is_explored_at_the_usual_wait() -> None:
     """Only an exploration that surely lost (by more than SWITCH_MARGIN) lengthens the wait:
     one that came out about even, however it read, is tried again after EXPLORE_EVERY steps
