@@ -705,6 +705,17 @@ def _take(planner: Planner, seconds: dict[StepKind, float], n: int) -> list[Step
     return taken
 
 
+def _runs(taken: list[StepKind], kind: StepKind) -> list[tuple[int, int]]:
+    """(first step, length) of each run of ``kind``'s steps in a row in ``taken``."""
+    runs, i = [], 0
+    for k, group in itertools.groupby(taken):
+        n = len(list(group))
+        if k is kind:
+            runs.append((i, n))
+        i += n
+    return runs
+
+
 def test_each_kind_is_measured_then_the_fastest_runs() -> None:
     """A fresh planner tries each kind in turn (the draft first) until measured, then keeps to
     the fastest; the others are explored again after EXPLORE_EVERY steps, for TRIAL_STEPS steps in
@@ -719,12 +730,7 @@ def test_each_kind_is_measured_then_the_fastest_runs() -> None:
     assert rest.count(StepKind.GUESSES) > 0.9 * len(rest)
     # each exploration a trial of TRIAL_STEPS steps in a row (one more where the kind's old
     # measurement has aged away over the wait: a kind not measured is measured first)
-    runs, i = [], 0
-    for kind, group in itertools.groupby(rest):
-        n = len(list(group))
-        if kind is StepKind.DRAFT:
-            runs.append((i, n))
-        i += n
+    runs = _runs(rest, StepKind.DRAFT)
     assert len(runs) >= 3
     assert all(TRIAL_STEPS <= n <= TRIAL_STEPS + 1 for _, n in runs)
     # steps from the end of one trial to the start of the next: doubled while losing
@@ -740,13 +746,7 @@ def test_the_wait_keeps_doubling_once_a_kind_sits_out_long_enough_to_age_away() 
     planner = _planner()
     planner.regret = -1e9  # budget to spare: only the waits decide
     seconds = {StepKind.DRAFT: 2.0, StepKind.GUESSES: 0.5, StepKind.ROOT: 1.0}
-    taken = _take(planner, seconds, 60 * EXPLORE_EVERY)[12:]
-    runs, i = [], 0
-    for kind, group in itertools.groupby(taken):
-        n = len(list(group))
-        if kind is StepKind.DRAFT:
-            runs.append((i, n))
-        i += n
+    runs = _runs(_take(planner, seconds, 60 * EXPLORE_EVERY)[12:], StepKind.DRAFT)
     waits = [b - (a + n) + 1 for (a, n), (b, _) in itertools.pairwise(runs)]
     doubling = [EXPLORE_EVERY * 2 ** k for k in range(1, MAX_BACKOFF.bit_length())]
     assert waits[:len(doubling)] == doubling
