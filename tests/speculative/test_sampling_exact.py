@@ -464,19 +464,30 @@ def test_engine_sampling_end_to_end_matches_the_target(mode: Mode, penalised: bo
     if mode is Mode.AUTO:  # a cost curve on which auto drafts at some steps and not others
         engine.verify_cost = VerifyCost((1, 2, 4, 8), (1.0, 1.3, 1.6, 2.2))
         engine.draft_cost = VerifyCost((1, 2, 4, 8), (0.15, 0.2, 0.3, 0.5))
-    counts = np.zeros((V, V), dtype=np.int64)
-    drafted = []
-    for seed in range(6_000):
-        params = SamplingParams(seed=seed, **params_base)
-        out: list[int] = []
-        for step in engine.generate(prompt, 2, params):
-            out += step.tokens
-            drafted.append(step.stats.drafted)
-        counts[out[0], out[1]] += 1
+    want = exact_joint(SamplingParams(**params_base), prompt)
+    drafted: list[int] = []
+
+    def draw(seeds: range) -> np.ndarray:
+        counts = np.zeros((V, V), dtype=np.int64)
+        for seed in seeds:
+            out: list[int] = []
+            for step in engine.generate(prompt, 2, SamplingParams(seed=seed, **params_base)):
+                out += step.tokens
+                drafted.append(step.stats.drafted)
+            counts[out[0], out[1]] += 1
+        return counts
+
+    ok, stat, critical, dof = chi_square_ok(draw(range(6_000)), want)
     assert 0 < drafted.count(0) < len(drafted) or mode is not Mode.AUTO
-    ok, stat, critical, dof = chi_square_ok(counts, exact_joint(SamplingParams(**params_base),
-                                                                prompt))
-    assert ok, f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+    first = f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+    if not ok:
+        # The engine sizes its trees on the fake contexts' measured timings, so the trees each
+        # seed meets, and the draws, change from run to run and host to host: a run fails by
+        # chance at the check's level. A failure stands only if a fresh draw three times as
+        # large fails too (a bias that shows in the first shows more plainly in the second).
+        ok, stat, critical, dof = chi_square_ok(draw(range(6_000, 24_000)), want)
+        first += f", then {stat:.1f} >= {critical:.1f} on a fresh draw of 18,000"
+    assert ok, first
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
