@@ -227,7 +227,8 @@ class Engine:
             tokens, finish = _truncate(tokens, stop, max_new_tokens - produced)
             origins = origins[:len(tokens)]
             counts = {o: origins.count(o) for o in ORIGINS}
-            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts)
+            stats = dataclasses.replace(stats, emitted=len(tokens), origins=counts,
+                                        stopped=int(finish == "stop"))
             committed += tokens
             produced += len(tokens)
             if finish is None and len(committed) > self._n_ctx(config):

@@ -40,6 +40,9 @@ class StepStats:
     # the kind of step its policy took (``plan.StepKind``'s value: the target alone, the
     # n-gram's tree, the draft model's), as ``auto`` chooses and measures them; "" if none
     kind: str = ""
+    # the stop token the step ended on (1, else 0): not in the output, but its pass produced
+    # it, and plain decoding too decodes it before it stops
+    stopped: int = 0
 
     @property
     def seconds(self) -> float:
@@ -85,8 +88,10 @@ class RunStats:
 
     @property
     def tau(self) -> float:
-        """Mean tokens per target forward pass: emitted tokens / steps (plain decoding: 1)."""
-        return self.tokens / len(self.steps) if self.steps else 0.0
+        """Mean tokens per target forward pass: emitted tokens, and a stop token a pass ended
+        on, over steps (plain decoding: 1)."""
+        produced = self.tokens + sum(s.stopped for s in self.steps)
+        return produced / len(self.steps) if self.steps else 0.0
 
     @property
     def mean_accepted(self) -> float:
@@ -145,8 +150,9 @@ class RunStats:
         pass, so the estimate follows the machine's load as the reply runs; steps without one
         (no cost curve measured) count ``plain_seconds_per_token`` each token (a figure timed
         earlier, e.g. when the models loaded), or make the estimate 0 without it. A step's
-        emitted tokens after a stop are not counted. The race in the app and ``staged-chat
-        bench`` measure the speedup side by side instead."""
+        tokens after a stop are not counted; the stop token is (plain decoding, too, takes a
+        pass to produce it: a short reply would otherwise read a pass slow). The race in the
+        app and ``staged-chat bench`` measure the speedup side by side instead."""
         plain = self.plain_seconds(plain_seconds_per_token)
         return plain / self.seconds if self.seconds > 0 else 0.0
 
@@ -155,10 +161,11 @@ class RunStats:
         ``estimated_speedup`` counts them; 0 where a step has no estimate."""
         plain = 0.0
         for s in self.steps:
+            produced = s.emitted + s.stopped
             if s.t_plain > 0:
-                plain += s.t_plain * (s.emitted / (s.accepted + 1))
+                plain += s.t_plain * (produced / (s.accepted + 1))
             elif plain_seconds_per_token is not None:
-                plain += s.emitted * plain_seconds_per_token
+                plain += produced * plain_seconds_per_token
             else:
                 return 0.0
         return plain

@@ -357,6 +357,24 @@ def test_the_estimated_speedup_follows_the_load_of_the_moment() -> None:
     assert tree.estimated_speedup(123.0) == tree.estimated_speedup()
 
 
+def test_a_reply_that_ends_on_its_stop_token_reads_plain_speed_in_plain_mode() -> None:
+    """The pass that produced the stop token took its time, and plain decoding would have
+    taken it too: the counterfactual counts that token, so a short plain reply reads 1.00x
+    (a pass slow otherwise: 0.90x for 9 tokens) and one token a pass."""
+    engine = Engine(LoadedContext(TARGET, n_ctx=256), FakeContext(DRAFT, n_ctx=256), None,
+                    SpecConfig(mode=Mode.PLAIN))
+    engine.verify_cost = LoadedContext.CURVE
+    prompt = PROMPTS[3]
+    _generate(engine, prompt, 20, run=RunStats())  # the loop's overhead is learned
+    tokens = _plain(prompt, 20)
+    end = next(i for i in range(4, 20) if tokens[i] not in tokens[:i])
+    run = RunStats()
+    assert _generate(engine, prompt, 20, stop={tokens[end]}, run=run) == tokens[:end]
+    assert len(run.steps) == end + 1 and run.steps[-1].stopped == 1
+    assert run.estimated_speedup() == pytest.approx(1.0, rel=1e-9)
+    assert run.tau == pytest.approx(1.0)
+
+
 class AttendingContext(LoadedContext):
     """A fake target whose passes also take 0.05 ms for every cell of context they attend to."""
 
