@@ -360,7 +360,7 @@ def test_the_estimated_speedup_follows_the_load_of_the_moment() -> None:
 def test_a_reply_that_ends_on_its_stop_token_reads_plain_speed_in_plain_mode() -> None:
     """The pass that produced the stop token took its time, and plain decoding would have
     taken it too: the counterfactual counts that token, so a short plain reply reads 1.00x
-    (a pass slow otherwise: 0.90x for 9 tokens) and one token a pass."""
+    and one token a pass (otherwise a pass slow: 9 tokens would read 0.90x)."""
     engine = Engine(LoadedContext(TARGET, n_ctx=256), FakeContext(DRAFT, n_ctx=256), None,
                     SpecConfig(mode=Mode.PLAIN))
     engine.verify_cost = LoadedContext.CURVE

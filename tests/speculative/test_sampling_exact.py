@@ -479,15 +479,15 @@ def test_engine_sampling_end_to_end_matches_the_target(mode: Mode, penalised: bo
 
     ok, stat, critical, dof = chi_square_ok(draw(range(6_000)), want)
     assert 0 < drafted.count(0) < len(drafted) or mode is not Mode.AUTO
-    first = f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
+    message = f"chi-square {stat:.1f} >= {critical:.1f} (dof {dof})"
     if not ok:
         # The engine sizes its trees on the fake contexts' measured timings, so the trees each
         # seed meets, and the draws, change from run to run and host to host: a run fails by
         # chance at the check's level. A failure stands only if a fresh draw three times as
         # large fails too (a bias that shows in the first shows more plainly in the second).
         ok, stat, critical, dof = chi_square_ok(draw(range(6_000, 24_000)), want)
-        first += f", then {stat:.1f} >= {critical:.1f} on a fresh draw of 18,000"
-    assert ok, first
+        message += f", then {stat:.1f} >= {critical:.1f} on a fresh draw of 18,000"
+    assert ok, message
 
 
 @pytest.mark.parametrize("params", [SamplingParams(temperature=1.0),
